@@ -1,0 +1,12 @@
+"""Sparse MLA decode for JAX: DeepSeek-Sparse-Attention on an FP8 KV cache, with decode
+context parallelism, backed by a Hopper CuTe DSL kernel and a pure-jnp reference.
+
+Public API: ``decode``, ``dcp_decode``, ``local_rows``, ``merge_partials``, ``reference``.
+"""
+
+from jax_sparse_mla import reference
+from jax_sparse_mla.merge import merge_partials
+from jax_sparse_mla.ops import decode
+
+__all__ = ["decode", "merge_partials", "reference"]
+__version__ = "0.1.0"

@@ -1,0 +1,63 @@
+"""The public single-device decode."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jax_sparse_mla import reference, validation
+from jax_sparse_mla.primitive import sparse_mla_decode_p
+
+
+def decode(q, kv, rows, valid, *, softmax_scale, q_scale=1.0, kv_scale=1.0, implementation=None):
+    """Sparse MLA decode over an FP8 E4M3 cache: each query row attends its selected keys.
+
+    Args:
+      q: [B, H, 576] float8_e4m3fn. Per head, the absorbed query: 512 latent + 64 RoPE
+        bytes. Any H >= 1 (padded to a multiple of 16 internally).
+      kv: [N, 576] float8_e4m3fn flat cache rows (512 latent, which is also V, + 64 RoPE), or
+        a paged cache [num_blocks, block_size, 576] whose flat row is
+        block * block_size + offset.
+      rows: [B, K] int32 flat cache rows selected for each query row (the top-k).
+      valid: [B] int32. Row b attends rows[b, :clamp(valid[b], 0, K)]; entries past that are
+        never read, and entries outside [0, N) are skipped (never read). Duplicates count
+        once per occurrence.
+      softmax_scale: static Python float multiplying q.k (e.g. 1/sqrt(192)).
+      q_scale, kv_scale: per-tensor FP8 dequantization scales: Python floats or float32
+        scalars (may be traced). Logits are softmax_scale * q_scale * kv_scale * (q.k) and
+        the output is multiplied by kv_scale.
+      implementation: None (the kernel on a Hopper GPU, else the reference, noted once in the
+        "jax_sparse_mla" logger), "cute" (the kernel or NotImplementedError at lowering),
+        "reference" (pure jax.numpy).
+
+    Returns:
+      latent: [B, H, 512] bfloat16, softmax(logits) @ V * kv_scale.
+      lse: [B, H] float32, natural log of sum(exp(logits)).
+      A row with no keys gives latent zeros and lse -inf.
+
+    Not differentiable (inference only).
+    """
+    implementation = validation.check_implementation(implementation)
+    shapes = validation.check_decode_args(q, kv, rows, valid)
+    softmax_scale = validation.check_softmax_scale(softmax_scale)
+    q_scale = validation.check_scale("q_scale", q_scale)
+    kv_scale = validation.check_scale("kv_scale", kv_scale)
+    if implementation == "reference":
+        return reference.decode(
+            q, kv, rows, valid, softmax_scale=softmax_scale, q_scale=q_scale, kv_scale=kv_scale
+        )
+    heads = shapes.heads
+    padded = -(-heads // validation.HEAD_TILE) * validation.HEAD_TILE
+    q = jnp.asarray(q)
+    if padded != heads:
+        q = jnp.pad(q, ((0, 0), (0, padded - heads), (0, 0)))
+    latent, lse = sparse_mla_decode_p.bind(
+        q,
+        validation.flat_cache(jnp.asarray(kv)),
+        jnp.asarray(rows),
+        jnp.asarray(valid),
+        validation.kernel_scales(softmax_scale, q_scale, kv_scale),
+        require_kernel=implementation == "cute",
+    )
+    if padded != heads:
+        latent, lse = latent[:, :heads], lse[:, :heads]
+    return latent, lse

@@ -1,0 +1,79 @@
+"""Pure jax.numpy sparse MLA decode: the contract's semantics and the kernel's precision.
+
+Runs on every backend; it is also the baseline a JAX user has today (gather + einsum).
+
+What it models of the kernel:
+- FP8 E4M3 q and cache rows widened exactly to FP32; FP32 logits q.k (the products of two
+  E4M3 values are exact in FP32; the 576-term sum is FP32).
+- Logits in log2 units: s = (q.k) * scale_log2, scale_log2 = softmax_scale * q_scale *
+  kv_scale * log2(e).
+- P = exp2(s - max + log2(448)) in FP32; the softmax sums are FP32 sums of this
+  *unquantized* P; the P that multiplies V is P rounded to E4M3 (RN, saturating: P <= 448).
+- FP32 accumulation of P x V, then one BF16 rounding of acc * kv_scale / sum.
+- LSE = (max + log2(sum / 448)) * ln 2: the natural log of sum(exp(logits)).
+
+What it does not model: the kernel anchors the E4M3 P at the running max of each CTA's share
+of the keys and of each chunk (rescaling earlier chunks in FP32 when the max rises), and merges
+the CTAs' partials in FP32; here P is anchored at the row's global max. The sums are also taken
+in another order. Both differ from the kernel by rounding only: a few E4M3 ulps of P (~6%
+relative per key, averaging out over keys) and FP32 summation order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jax_sparse_mla import validation
+
+LOG2_P_SCALE = math.log2(448.0)  # P is quantized at 448 (the E4M3 maximum) of the row max
+HIGHEST = jax.lax.Precision.HIGHEST  # FP32 products on GPUs too (no TF32)
+
+
+def decode_flat(q, kv, rows, valid, scales):
+    """Sparse decode on normalized operands (any H; no argument checks).
+
+    q [B, H, 576] float8_e4m3fn, kv [N, 576] float8_e4m3fn, rows [B, K] int32,
+    valid [B] int32, scales float32[2] = (scale_log2, out_scale)
+    -> latent [B, H, 512] bfloat16, lse [B, H] float32 (natural log).
+    """
+    batch, heads, _ = q.shape
+    cache_rows, width = kv.shape[0], rows.shape[1]
+    if cache_rows == 0:  # every index is out of range: every row is empty
+        latent = jnp.zeros((batch, heads, validation.LATENT), jnp.bfloat16)
+        return latent, jnp.full((batch, heads), -jnp.inf, jnp.float32)
+    scale_log2, out_scale = scales[0], scales[1]
+    count = jnp.clip(valid, 0, width)
+    live = (jnp.arange(width)[None, :] < count[:, None]) & (rows >= 0) & (rows < cache_rows)
+    keys = kv[jnp.where(live, rows, 0)].astype(jnp.float32)  # [B, K, 576]
+    logits = jnp.einsum("bhd,bkd->bhk", q.astype(jnp.float32), keys, precision=HIGHEST)
+    s = jnp.where(live[:, None, :], logits * scale_log2, -jnp.inf)
+    row_max = jnp.max(s, axis=-1)
+    empty = row_max == -jnp.inf
+    anchor = jnp.where(empty, 0.0, row_max) - LOG2_P_SCALE
+    p = jnp.exp2(s - anchor[..., None])  # <= 448; exactly 0 for skipped keys
+    total = jnp.sum(p, axis=-1)
+    p8 = p.astype(validation.FP8).astype(jnp.float32)
+    acc = jnp.einsum("bhk,bkc->bhc", p8, keys[..., : validation.LATENT], precision=HIGHEST)
+    safe_total = jnp.where(empty, 1.0, total)
+    latent = jnp.where(empty[..., None], 0.0, acc * (out_scale / safe_total)[..., None])
+    lse2 = anchor + jnp.log2(safe_total)
+    lse = jnp.where(empty, -jnp.inf, lse2 * math.log(2.0))
+    return latent.astype(jnp.bfloat16), lse.astype(jnp.float32)
+
+
+def decode(q, kv, rows, valid, *, softmax_scale, q_scale=1.0, kv_scale=1.0, implementation=None):
+    """The reference decode, same signature and semantics as ``jax_sparse_mla.decode``.
+
+    ``implementation`` is accepted for signature parity and must be None or "reference".
+    """
+    if implementation not in (None, "reference"):
+        raise ValueError(f"reference.decode runs the reference only; got {implementation=!r}")
+    validation.check_decode_args(q, kv, rows, valid)
+    softmax_scale = validation.check_softmax_scale(softmax_scale)
+    q_scale = validation.check_scale("q_scale", q_scale)
+    kv_scale = validation.check_scale("kv_scale", kv_scale)
+    scales = validation.kernel_scales(softmax_scale, q_scale, kv_scale)
+    return decode_flat(jnp.asarray(q), validation.flat_cache(jnp.asarray(kv)), rows, valid, scales)

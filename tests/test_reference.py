@@ -1,0 +1,116 @@
+"""The reference decode against float64 numpy truth over a grid of shapes and index patterns."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from truth import lse_tolerance, make_inputs, truth_decode
+
+import jax_sparse_mla
+from jax_sparse_mla import reference
+
+WIDTH = 64  # K: index slots per row
+CACHE_ROWS = 300
+COUNTS = [0, 1, 31, 32, 33, WIDTH]
+
+
+def _rows_with_patterns(rng, rows):
+    """Row 0..: plain; then duplicates, out-of-range entries, garbage past valid."""
+    rows = rows.copy()
+    rows[1, :8] = 7  # duplicates of one row (each occurrence counts)
+    rows[2, :12:3] = [-1, CACHE_ROWS, 2**31 - 1, -(2**31)]
+    rows[3, 33:] = -(2**31)  # garbage past valid[3] = 33 (never read)
+    return rows
+
+
+def check_against_truth(latent, lse, q, kv, rows, valid, **scales):
+    want, want_lse, bound = truth_decode(q, kv, rows, valid, **scales)
+    latent = np.asarray(latent, np.float64)
+    lse = np.asarray(lse, np.float64)
+    assert np.all(np.abs(latent - want) <= bound), np.max(np.abs(latent - want) - bound)
+    empty = ~np.isfinite(want_lse)
+    assert np.array_equal(lse[empty], want_lse[empty])
+    assert np.all(latent[empty] == 0)
+    live = ~empty
+    assert np.all(np.abs(lse[live] - want_lse[live]) <= lse_tolerance(want_lse[live]))
+    # The bound is loose per element; on average FP8 P rounding must cancel out.
+    if live.any():
+        mean_err = np.mean(np.abs(latent - want)[live])
+        assert mean_err <= 0.02 * np.mean(np.abs(want[live])) + 1e-6
+
+
+@pytest.mark.parametrize("heads", [1, 12, 16, 96, 128])
+def test_reference_matches_float64_truth(heads):
+    rng = np.random.default_rng(heads)
+    q, kv, rows = make_inputs(rng, len(COUNTS), heads, CACHE_ROWS, WIDTH)
+    rows = _rows_with_patterns(rng, rows)
+    valid = np.array(COUNTS, np.int32)
+    scales = dict(softmax_scale=0.0721, q_scale=0.5, kv_scale=1.75)
+    latent, lse = jax.jit(lambda *a: reference.decode(*a, **scales))(q, kv, rows, valid)
+    assert latent.shape == (len(COUNTS), heads, 512) and latent.dtype == jnp.bfloat16
+    assert lse.shape == (len(COUNTS), heads) and lse.dtype == jnp.float32
+    check_against_truth(latent, lse, q, kv, rows, valid, **scales)
+
+
+@pytest.mark.parametrize("valid_value", [-5, 0, 10, WIDTH, WIDTH + 1, 2**31 - 1])
+def test_valid_is_clamped(valid_value):
+    rng = np.random.default_rng(1)
+    q, kv, rows = make_inputs(rng, 2, 16, CACHE_ROWS, WIDTH)
+    valid = np.array([valid_value, 5], np.int32)
+    latent, lse = reference.decode(q, kv, rows, valid, softmax_scale=0.1)
+    check_against_truth(latent, lse, q, kv, rows, valid, softmax_scale=0.1)
+    if valid_value <= 0:
+        assert np.all(np.asarray(lse[0]) == -np.inf) and not np.any(np.asarray(latent[0]))
+
+
+def test_peaked_logits_and_traced_scales():
+    """Large logits (one key dominates) and scales passed as traced f32 scalars."""
+    rng = np.random.default_rng(2)
+    q, kv, rows = make_inputs(rng, 3, 16, CACHE_ROWS, WIDTH, scale=8.0)
+    valid = np.array([WIDTH, 40, 2], np.int32)
+
+    @jax.jit
+    def run(q_scale, kv_scale):
+        return reference.decode(
+            q, kv, rows, valid, softmax_scale=0.3, q_scale=q_scale, kv_scale=kv_scale
+        )
+
+    latent, lse = run(jnp.float32(2.0), jnp.float32(0.25))
+    check_against_truth(
+        latent, lse, q, kv, rows, valid, softmax_scale=0.3, q_scale=2.0, kv_scale=0.25
+    )
+
+
+def test_paged_cache_equals_flat():
+    rng = np.random.default_rng(3)
+    q, kv, rows = make_inputs(rng, 4, 16, 320, WIDTH)
+    valid = np.array([WIDTH, 17, 0, 1], np.int32)
+    flat = jax_sparse_mla.decode(q, kv, rows, valid, softmax_scale=0.1)
+    paged = jax_sparse_mla.decode(q, kv.reshape(5, 64, 576), rows, valid, softmax_scale=0.1)
+    for a, b in zip(flat, paged, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    check_against_truth(*flat, q, kv, rows, valid, softmax_scale=0.1)
+
+
+def test_empty_cache_gives_empty_rows():
+    rng = np.random.default_rng(4)
+    q, _, rows = make_inputs(rng, 2, 16, 10, 8)
+    kv = np.zeros((0, 576), q.dtype)
+    latent, lse = jax_sparse_mla.decode(q, kv, rows, np.array([8, 3], np.int32), softmax_scale=1.0)
+    assert not np.any(np.asarray(latent)) and np.all(np.asarray(lse) == -np.inf)
+
+
+def test_decode_default_path_equals_reference():
+    """On CPU the primitive lowers to the reference, any H (padded to 16): same values up to
+    FP32 summation order (padding changes the einsum shapes)."""
+    rng = np.random.default_rng(5)
+    for heads in (1, 12, 16, 40):
+        q, kv, rows = make_inputs(rng, 3, heads, CACHE_ROWS, WIDTH)
+        valid = np.array([WIDTH, 3, 0], np.int32)
+        got = jax.jit(lambda *a: jax_sparse_mla.decode(*a, softmax_scale=0.1))(q, kv, rows, valid)
+        want = reference.decode(q, kv, rows, valid, softmax_scale=0.1)
+        assert got[0].shape == want[0].shape and got[1].shape == want[1].shape
+        np.testing.assert_allclose(
+            np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), rtol=2**-7, atol=0
+        )
+        np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-6)

@@ -1,0 +1,58 @@
+"""Float64 numpy ground truth for sparse decode, independent of the package's code."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+LATENT = 512
+
+
+def make_inputs(rng, batch, heads, cache_rows, width, *, scale=1.0):
+    """Random FP8 q [B, H, 576] and kv [N, 576] (numpy, float8_e4m3fn), rows [B, K] int32."""
+    fp8 = ml_dtypes.float8_e4m3fn
+    q = (rng.standard_normal((batch, heads, 576)) * scale).astype(fp8)
+    kv = (rng.standard_normal((cache_rows, 576)) * scale).astype(fp8)
+    rows = rng.integers(0, cache_rows, (batch, width)).astype(np.int32)
+    return q, kv, rows
+
+
+def truth_decode(q, kv, rows, valid, *, softmax_scale, q_scale=1.0, kv_scale=1.0):
+    """Exact softmax attention in float64 over each row's live keys.
+
+    Returns latent [B, H, 512], lse [B, H] (natural log; -inf for empty rows), and an error
+    bound [B, H, 512] for an implementation that rounds P to E4M3 at 448 of any running max
+    not above the row max (|dP| <= max(P/16, 2**-10) in those units) and the output to BF16.
+    """
+    q = np.asarray(q).astype(np.float64)
+    kv = np.asarray(kv).astype(np.float64).reshape(-1, 576)
+    rows, valid = np.asarray(rows), np.asarray(valid)
+    batch, heads, _ = q.shape
+    cache_rows, width = kv.shape[0], rows.shape[1]
+    scale = softmax_scale * q_scale * kv_scale
+    latent = np.zeros((batch, heads, LATENT))
+    lse = np.full((batch, heads), -np.inf)
+    bound = np.zeros((batch, heads, LATENT))
+    for b in range(batch):
+        live = [int(r) for r in rows[b, : max(0, min(int(valid[b]), width))]]
+        live = [r for r in live if 0 <= r < cache_rows]
+        if not live:
+            continue
+        keys = kv[live]  # [n, 576]
+        logits = q[b] @ keys.T * scale  # [H, n]
+        top = logits.max(axis=1, keepdims=True)
+        p = np.exp(logits - top) * 448.0  # P in the kernel's units (448 at the max)
+        total = p.sum(axis=1, keepdims=True)
+        values = keys[:, :LATENT]
+        latent[b] = p @ values / total * kv_scale
+        lse[b] = top[:, 0] + np.log(total[:, 0] / 448.0)
+        dp = np.maximum(p / 16.0, 2.0**-10)
+        bound[b] = dp @ np.abs(values) / total * abs(kv_scale)
+    bound += 2.0**-8 * np.abs(latent) + 1e-6 * (np.abs(latent) + 1e-3)
+    return latent, lse, bound
+
+
+def lse_tolerance(lse):
+    """LSE from FP32 sums of unquantized P: a few FP32 ulps of the logits' scale."""
+    finite = np.where(np.isfinite(lse), np.abs(lse), 0.0)
+    return 2e-5 + 4e-6 * finite
