@@ -5,8 +5,9 @@ Public API: ``decode``, ``dcp_decode``, ``local_rows``, ``merge_partials``, ``re
 """
 
 from jax_sparse_mla import reference
+from jax_sparse_mla.dcp import FILL_ROW, dcp_decode, local_rows
 from jax_sparse_mla.merge import merge_partials
 from jax_sparse_mla.ops import decode
 
-__all__ = ["decode", "merge_partials", "reference"]
+__all__ = ["FILL_ROW", "dcp_decode", "decode", "local_rows", "merge_partials", "reference"]
 __version__ = "0.1.0"

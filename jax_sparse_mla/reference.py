@@ -7,8 +7,8 @@ What it models of the kernel:
   E4M3 values are exact in FP32; the 576-term sum is FP32).
 - Logits in log2 units: s = (q.k) * scale_log2, scale_log2 = softmax_scale * q_scale *
   kv_scale * log2(e).
-- P = exp2(s - max + log2(448)) in FP32; the softmax sums are FP32 sums of this
-  *unquantized* P; the P that multiplies V is P rounded to E4M3 (RN, saturating: P <= 448).
+- P = exp2((s - max) + log2(448)) in FP32; the softmax sums are FP32 sums of this
+  *unquantized* P; the P that multiplies V is P rounded to E4M3 (RN, saturating at 448).
 - FP32 accumulation of P x V, then one BF16 rounding of acc * kv_scale / sum.
 - LSE = (max + log2(sum / 448)) * ln 2: the natural log of sum(exp(logits)).
 
@@ -52,14 +52,16 @@ def decode_flat(q, kv, rows, valid, scales):
     s = jnp.where(live[:, None, :], logits * scale_log2, -jnp.inf)
     row_max = jnp.max(s, axis=-1)
     empty = row_max == -jnp.inf
-    anchor = jnp.where(empty, 0.0, row_max) - LOG2_P_SCALE
-    p = jnp.exp2(s - anchor[..., None])  # <= 448; exactly 0 for skipped keys
+    top = jnp.where(empty, 0.0, row_max)
+    # s - top first: exactly <= 0, so P <= 448 even where |s| is so large that s - (top -
+    # log2 448) would round upwards (and overflow exp2).
+    p = jnp.exp2((s - top[..., None]) + LOG2_P_SCALE)  # exactly 0 for skipped keys
     total = jnp.sum(p, axis=-1)
-    p8 = p.astype(validation.FP8).astype(jnp.float32)
+    p8 = jnp.minimum(p, 448.0).astype(validation.FP8).astype(jnp.float32)  # RN, satfinite
     acc = jnp.einsum("bhk,bkc->bhc", p8, keys[..., : validation.LATENT], precision=HIGHEST)
     safe_total = jnp.where(empty, 1.0, total)
     latent = jnp.where(empty[..., None], 0.0, acc * (out_scale / safe_total)[..., None])
-    lse2 = anchor + jnp.log2(safe_total)
+    lse2 = (top - LOG2_P_SCALE) + jnp.log2(safe_total)
     lse = jnp.where(empty, -jnp.inf, lse2 * math.log(2.0))
     return latent.astype(jnp.bfloat16), lse.astype(jnp.float32)
 

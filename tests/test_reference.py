@@ -23,7 +23,7 @@ def _rows_with_patterns(rng, rows):
     return rows
 
 
-def check_against_truth(latent, lse, q, kv, rows, valid, **scales):
+def check_against_truth(latent, lse, q, kv, rows, valid, *, averages=True, **scales):
     want, want_lse, bound = truth_decode(q, kv, rows, valid, **scales)
     latent = np.asarray(latent, np.float64)
     lse = np.asarray(lse, np.float64)
@@ -33,10 +33,19 @@ def check_against_truth(latent, lse, q, kv, rows, valid, **scales):
     assert np.all(latent[empty] == 0)
     live = ~empty
     assert np.all(np.abs(lse[live] - want_lse[live]) <= lse_tolerance(want_lse[live]))
-    # The bound is loose per element; on average FP8 P rounding must cancel out.
-    if live.any():
-        mean_err = np.mean(np.abs(latent - want)[live])
-        assert mean_err <= 0.02 * np.mean(np.abs(want[live])) + 1e-6
+    # The bound is loose per element; over many distinct keys FP8 P rounding averages out.
+    many = _live_counts(rows, valid, kv) >= 16
+    if averages and many.any():
+        mean_err = np.mean(np.abs(latent - want)[many])
+        assert mean_err <= 0.02 * np.mean(np.abs(want[many])) + 1e-6
+
+
+def _live_counts(rows, valid, kv):
+    cache_rows = np.asarray(kv).reshape(-1, 576).shape[0]
+    width = rows.shape[1]
+    count = np.clip(np.asarray(valid), 0, width)
+    slots = np.arange(width)[None, :] < count[:, None]
+    return np.sum(slots & (rows >= 0) & (rows < cache_rows), axis=1)
 
 
 @pytest.mark.parametrize("heads", [1, 12, 16, 96, 128])
