@@ -16,7 +16,7 @@ $(BIN)/python:
 
 demo: $(BIN)/python
 	$(BIN)/python -m pip install -q ".$(DEMO_EXTRAS)"
-	$(BIN)/python examples/minimal_decode.py
+	$(BIN)/python examples/kimi_decode_step.py
 
 test: $(BIN)/python
 	$(BIN)/python -m pip install -q ".$(TEST_EXTRAS)"

@@ -1,0 +1,741 @@
+"""One decode step of a DeepSeek-Sparse-Attention (DSA) MLA layer on jax_sparse_mla.
+
+What a JAX inference stack runs for one attention layer of a Kimi-K3-class model during a
+speculative-decode verify step, with random weights (nothing is downloaded):
+
+1. the new tokens' cache entries: kv_a projection -> RMSNorm on the 512 latent, RoPE on the 64
+   rope dims -> FP8 E4M3 with the cache's per-tensor scale, written into the [N, 576] cache
+   (and the DSA indexer's FP8 key for each token);
+2. the absorbed MLA query: q = W_q_b(rmsnorm(W_q_a x)), RoPE on the rope part, W_UK absorbed
+   into the nope part (-> 512 latent), concat to 576, FP8 with a per-tensor scale;
+3. the DSA indexer: score[t] = sum_h w_h * relu(q_h . k_t) over the FP8 index keys, causal
+   (verify row i at position pos + i sees tokens t <= pos + i, its own included), exact
+   top-k per row with lax.top_k;
+4. sparse attention over the selected keys with ``jax_sparse_mla.decode`` (or, with --dcp N,
+   ``jax_sparse_mla.dcp_decode`` inside ``jax.shard_map``: the cache sharded by token, token t
+   on rank t % N at local row t // N, and each rank holding its own 1/N of the heads);
+5. W_UV (latent -> v_head_dim per head) and the output projection (row-parallel under DCP:
+   a psum over ranks).
+
+Then it checks the layer output against a dense float32 attention over the same selected keys
+(dequantized FP8 query and cache, exact softmax) and times the jitted step: on a GPU the
+CuTe kernel path and the pure-jnp reference path side by side, on a CPU the reference only.
+
+Run (from the repository root):
+
+    .venv/bin/python examples/kimi_decode_step.py                  # Kimi-K3-class layer
+    .venv/bin/python examples/kimi_decode_step.py --small          # tiny layer, seconds
+    .venv/bin/python examples/kimi_decode_step.py --dcp 8          # 8 GPUs, or 8 CPU devices
+    .venv/bin/python examples/kimi_decode_step.py --help
+
+On a CPU machine --dcp N creates N virtual CPU devices itself (XLA_FLAGS is set before jax
+is imported). The script exits with status 1 when the numeric check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+KV_LORA_RANK = 512  # latent width of the cache row; fixed by the FP8 [N, 576] layout
+QK_ROPE_DIM = 64  # rope width of the cache row (and of each indexer head's first dims)
+CACHE_WIDTH = KV_LORA_RANK + QK_ROPE_DIM
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+ROPE_THETA = 50000.0
+NORM_EPS = 1e-6
+MESH_AXIS = "dcp"
+KERNEL_TARGET = "jax_sparse_mla_decode"  # the kernel's XLA custom call (cuda_lowering.FFI_TARGET)
+
+# Relative error (Frobenius, over all verify rows) of the layer output against the dense
+# float32 attention over the same keys. Both sides read the same FP8 query and cache, so the
+# difference is the attention's own rounding: P rounded to E4M3 (3 mantissa bits: relative
+# error <= 2^-4 per weight, ~2^-4/sqrt(3) RMS, independent from key to key, so the weighted
+# sum's error is ~2^-4/sqrt(3) ~ 3.6% of its norm at most; measured 1.6-1.9% on CPU, small and
+# Kimi sizes, 1 and 2-8 ranks), one BF16 rounding of the latent (2^-9) and the bf16 W_UV /
+# output projections (2^-9 per rounding, f32 sums). The threshold is the worst single-weight
+# E4M3 rounding, 2^-4: above that, while a wrong key, head or merge gives errors of order 1 and
+# a kv_scale off by 5% gives ~10%.
+TOLERANCE = 2.0**-4
+
+
+def _force_host_devices(argv: Sequence[str]) -> None:
+    """Asks XLA for --dcp virtual CPU devices; must run before jax is imported."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--dcp", type=int, default=1)
+    count = pre.parse_known_args(argv)[0].dcp
+    flags = os.environ.get("XLA_FLAGS", "")
+    if count > 1 and "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={count}"
+
+
+if __name__ == "__main__":
+    _force_host_devices(sys.argv[1:])
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
+from jax.sharding import PartitionSpec as P  # noqa: E402
+
+try:
+    import jax_sparse_mla
+except ModuleNotFoundError:  # run from a checkout without installing: the package is one up
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import jax_sparse_mla
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerConfig:
+    """Sizes of one DSA MLA attention layer (heads = gathered heads of all DCP ranks)."""
+
+    hidden: int = 7168
+    heads: int = 96
+    q_lora_rank: int = 1536
+    qk_nope_dim: int = 128
+    v_head_dim: int = 128
+    index_topk: int = 2048
+    index_heads: int = 64
+    index_head_dim: int = 128
+
+    @property
+    def softmax_scale(self) -> float:
+        return (self.qk_nope_dim + QK_ROPE_DIM) ** -0.5
+
+
+KIMI = LayerConfig()
+SMALL = LayerConfig(
+    hidden=256,
+    heads=8,
+    q_lora_rank=64,
+    qk_nope_dim=32,
+    v_head_dim=32,
+    index_topk=64,
+    index_heads=4,
+    index_head_dim=64,
+)
+SIZE_FLAGS = {
+    "hidden": "model width",
+    "heads": "attention heads (gathered over all DCP ranks)",
+    "q_lora_rank": "query low-rank width",
+    "qk_nope_dim": "per-head no-rope query/key width (absorbed into the 512 latent)",
+    "v_head_dim": "per-head value width after W_UV",
+    "index_topk": "DSA top-k: keys attended per verify row",
+    "index_heads": "DSA indexer heads",
+    "index_head_dim": "DSA indexer head width (its first 64 dims get RoPE)",
+}
+
+
+class Cache(NamedTuple):
+    """The layer's caches. ``kv`` rows are in token order on one device; under DCP the global
+    array is rank-major (row r * N_local + j holds token j * D + r) and sharded by rank."""
+
+    kv: jax.Array  # [N, 576] float8_e4m3fn: latent 512 (RMSNorm'd) + rope 64 (RoPE'd)
+    kv_scale: jax.Array  # [] float32 per-tensor dequantization scale of kv
+    index_keys: jax.Array  # [N, index_head_dim] float8_e4m3fn, token order (replicated)
+    index_scale: jax.Array  # [] float32
+
+
+class StepAux(NamedTuple):
+    """What the step attended with, for the dense check."""
+
+    q: jax.Array  # [R, H, 576] float8_e4m3fn
+    q_scale: jax.Array  # [] float32
+    tokens: jax.Array  # [R, K] int32 global token ids, -1 = none
+    latent: jax.Array  # [R, H, 512] bfloat16 attention output
+
+
+_T0 = time.perf_counter()
+
+
+def log(message: str) -> None:
+    print(f"[{time.perf_counter() - _T0:7.1f}s] {message}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model pieces
+# ---------------------------------------------------------------------------------------------
+
+
+def init_weights(cfg: LayerConfig, seed: int) -> dict[str, jax.Array]:
+    """Random bf16 weights, N(0, 1/fan_in) so activations stay O(1). numpy's generator: far
+    quicker here than compiling jax.random for every weight shape on a CPU."""
+    shapes = {
+        "wq_a": ((cfg.hidden, cfg.q_lora_rank), cfg.hidden),
+        "wq_b": ((cfg.q_lora_rank, cfg.heads, cfg.qk_nope_dim + QK_ROPE_DIM), cfg.q_lora_rank),
+        "wkv_a": ((cfg.hidden, CACHE_WIDTH), cfg.hidden),
+        # kv_b = [W_UK | W_UV] acting on the 512 latent, split per head.
+        "w_uk": ((cfg.heads, cfg.qk_nope_dim, KV_LORA_RANK), KV_LORA_RANK),
+        "w_uv": ((cfg.heads, KV_LORA_RANK, cfg.v_head_dim), KV_LORA_RANK),
+        "wo": ((cfg.heads, cfg.v_head_dim, cfg.hidden), cfg.heads * cfg.v_head_dim),
+        "wi_q": ((cfg.q_lora_rank, cfg.index_heads, cfg.index_head_dim), cfg.q_lora_rank),
+        "wi_k": ((cfg.hidden, cfg.index_head_dim), cfg.hidden),
+        "wi_w": ((cfg.hidden, cfg.index_heads), cfg.hidden),
+    }
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, (shape, fan_in) in shapes.items():
+        sample = rng.standard_normal(shape, dtype=np.float32)
+        sample *= fan_in**-0.5
+        weights[name] = jnp.asarray(sample, dtype=jnp.bfloat16)
+    for name, width in [
+        ("q_a_norm", cfg.q_lora_rank),
+        ("kv_a_norm", KV_LORA_RANK),
+        ("wi_k_norm", cfg.index_head_dim),
+    ]:
+        weights[name] = jnp.ones((width,), jnp.bfloat16)
+    weights["wi_k_bias"] = jnp.zeros((cfg.index_head_dim,), jnp.bfloat16)
+    return weights
+
+
+def rms_norm(x: jax.Array, gamma: jax.Array) -> jax.Array:
+    x = x.astype(jnp.float32)
+    x = x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + NORM_EPS)
+    return x * gamma.astype(jnp.float32)
+
+
+def layer_norm(x: jax.Array, gamma: jax.Array, beta: jax.Array) -> jax.Array:
+    x = x.astype(jnp.float32)
+    x = x - jnp.mean(x, axis=-1, keepdims=True)
+    x = x * lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + NORM_EPS)
+    return x * gamma.astype(jnp.float32) + beta.astype(jnp.float32)
+
+
+def rope(x: jax.Array, positions: jax.Array) -> jax.Array:
+    """Rotary embedding on the last dim (interleaved pairs, as DeepSeek); positions
+    broadcast against x.shape[:-1]."""
+    half = x.shape[-1] // 2
+    inv_freq = ROPE_THETA ** (-jnp.arange(half, dtype=jnp.float32) / half)
+    angle = positions.astype(jnp.float32)[..., None] * inv_freq
+    cos, sin = jnp.cos(angle), jnp.sin(angle)
+    pairs = x.astype(jnp.float32).reshape(*x.shape[:-1], half, 2)
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = jnp.stack([even * cos - odd * sin, even * sin + odd * cos], axis=-1)
+    return rotated.reshape(x.shape)
+
+
+def rope_head(x: jax.Array, positions: jax.Array) -> jax.Array:
+    """RoPE on the first QK_ROPE_DIM dims of each head (the DSA indexer layout)."""
+    return jnp.concatenate([rope(x[..., :QK_ROPE_DIM], positions), x[..., QK_ROPE_DIM:]], -1)
+
+
+def dot(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
+    """bf16 x bf16 with f32 accumulation and an f32 result (XLA:CPU has no bf16 x bf16 -> f32
+    dot, so there both sides are widened to f32 first: the same products)."""
+    dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    x, w = x.astype(jnp.bfloat16).astype(dtype), w.astype(dtype)
+    return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
+
+
+def to_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:
+    return jnp.clip(x / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+
+
+def fp8_scale(x: jax.Array) -> jax.Array:
+    """Per-tensor E4M3 scale: the tensor's amax maps to 448."""
+    return jnp.maximum(jnp.max(jnp.abs(x)), 1e-12).astype(jnp.float32) / FP8_MAX
+
+
+def cache_entries(w: dict, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Tokens' MLA cache rows [T, 576] and indexer keys [T, index_head_dim], float32."""
+    kv = dot(x, w["wkv_a"], "td,dc->tc")
+    latent = rms_norm(kv[:, :KV_LORA_RANK], w["kv_a_norm"])
+    k_rope = rope(kv[:, KV_LORA_RANK:], positions)
+    index_key = layer_norm(dot(x, w["wi_k"], "td,dk->tk"), w["wi_k_norm"], w["wi_k_bias"])
+    return jnp.concatenate([latent, k_rope], axis=-1), rope_head(index_key, positions)
+
+
+def absorbed_query(w: dict, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Absorbed MLA query [R, H, 576] float32 and the normalized q_a [R, q_lora_rank]."""
+    q_a = rms_norm(dot(x, w["wq_a"], "rd,dq->rq"), w["q_a_norm"])
+    q = dot(q_a, w["wq_b"], "rq,qhc->rhc")
+    nope_dim = w["w_uk"].shape[1]
+    q_latent = dot(q[..., :nope_dim], w["w_uk"], "rhn,hnc->rhc")
+    q_rope = rope(q[..., nope_dim:], positions[:, None])
+    return jnp.concatenate([q_latent, q_rope], axis=-1), q_a
+
+
+def index_topk(
+    w: dict, x: jax.Array, q_a: jax.Array, cache: Cache, positions: jax.Array, topk: int
+) -> jax.Array:
+    """DSA indexer: exact top-k token ids [R, K] per verify row, -1 where a row has fewer
+    than K visible tokens. score[t] = sum_h w_h * relu(q_h . k_t), tokens t <= position."""
+    heads, head_dim = w["wi_q"].shape[1:]
+    q = rope_head(dot(q_a, w["wi_q"], "rq,qhk->rhk"), positions[:, None])
+    head_weights = dot(x, w["wi_w"], "rd,dh->rh") * (heads * head_dim) ** -0.5
+    keys = cache.index_keys.astype(jnp.float32) * cache.index_scale
+    logits = jnp.einsum("rhk,tk->rht", q, keys)
+    scores = jnp.einsum("rh,rht->rt", head_weights, jax.nn.relu(logits))
+    visible = jnp.arange(keys.shape[0])[None, :] <= positions[:, None]
+    values, tokens = lax.top_k(jnp.where(visible, scores, -jnp.inf), topk)
+    return jnp.where(values > -jnp.inf, tokens, -1).astype(jnp.int32)
+
+
+def output_projection(w_uv: jax.Array, wo: jax.Array, latent: jax.Array) -> jax.Array:
+    """[R, H, 512] latent -> per-head values (W_UV) -> output projection [R, hidden], f32."""
+    values = dot(latent, w_uv, "rhc,hcv->rhv")
+    return dot(values, wo, "rhv,hvd->rd")
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode step: single device and DCP
+# ---------------------------------------------------------------------------------------------
+
+
+def make_step(
+    cfg: LayerConfig, mesh: jax.sharding.Mesh | None, implementation: str
+) -> Callable[..., tuple[jax.Array, Cache, StepAux]]:
+    """step(weights, cache, x [R, hidden], pos) -> (out [R, hidden] f32, cache, aux), jitted
+    with the cache donated (rewritten in place with the verify tokens' entries)."""
+
+    def step(w: dict, cache: Cache, x: jax.Array, pos: jax.Array):
+        positions = pos + jnp.arange(x.shape[0], dtype=jnp.int32)
+        kv_new, index_new = cache_entries(w, x, positions)
+        kv_new = to_fp8(kv_new, cache.kv_scale)
+        index_keys = cache.index_keys.at[positions].set(to_fp8(index_new, cache.index_scale))
+        cache = cache._replace(index_keys=index_keys)
+
+        q, q_a = absorbed_query(w, x, positions)
+        q_scale = fp8_scale(q)
+        q = to_fp8(q, q_scale)
+        tokens = index_topk(w, x, q_a, cache, positions, cfg.index_topk)
+
+        if mesh is None:
+            kv = cache.kv.at[positions].set(kv_new)
+            # lax.top_k sorts descending, so a row's visible tokens come first.
+            valid = jnp.sum(tokens >= 0, axis=1, dtype=jnp.int32)
+            latent, _ = jax_sparse_mla.decode(
+                q,
+                kv,
+                tokens,
+                valid,
+                softmax_scale=cfg.softmax_scale,
+                q_scale=q_scale,
+                kv_scale=cache.kv_scale,
+                implementation=implementation,
+            )
+            out = output_projection(w["w_uv"], w["wo"], latent)
+        else:
+            out, kv, latent = dcp_attention(
+                cfg, mesh, implementation, w, cache, kv_new, positions, q, q_scale, tokens
+            )
+        return out, cache._replace(kv=kv), StepAux(q, q_scale, tokens, latent)
+
+    return jax.jit(step, donate_argnums=1)
+
+
+def dcp_attention(
+    cfg: LayerConfig,
+    mesh: jax.sharding.Mesh,
+    implementation: str,
+    w: dict,
+    cache: Cache,
+    kv_new: jax.Array,
+    positions: jax.Array,
+    q: jax.Array,
+    q_scale: jax.Array,
+    tokens: jax.Array,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Attention + output projection with the cache sharded by token over the mesh: each rank
+    writes the verify tokens it owns, maps the global top-k to its local rows, runs
+    dcp_decode for its own heads, and the row-parallel output projection is psum'd."""
+    dcp = mesh.shape[MESH_AXIS]
+
+    def per_rank(kv_local, kv_new, q_own, tokens, q_scale, kv_scale, w_uv_own, wo_own):
+        rank = lax.axis_index(MESH_AXIS)
+        local_n = kv_local.shape[0]
+        mine = positions % dcp == rank
+        slots = jnp.where(mine, positions // dcp, local_n)  # local_n: dropped
+        kv_local = kv_local.at[slots].set(kv_new, mode="drop")
+        rows, valid = jax_sparse_mla.local_rows(tokens, rank=rank, dcp_size=dcp)
+        latent, _ = jax_sparse_mla.dcp_decode(
+            q_own,
+            kv_local,
+            rows,
+            valid,
+            axis_name=MESH_AXIS,
+            softmax_scale=cfg.softmax_scale,
+            q_scale=q_scale,
+            kv_scale=kv_scale,
+            implementation=implementation,
+        )
+        out = lax.psum(output_projection(w_uv_own, wo_own, latent), MESH_AXIS)
+        return out, kv_local, latent
+
+    heads = P(None, MESH_AXIS, None)
+    sharded = jax.shard_map(
+        per_rank,
+        mesh=mesh,
+        in_specs=(P(MESH_AXIS, None), P(), heads, P(), P(), P(), P(MESH_AXIS), P(MESH_AXIS)),
+        out_specs=(P(), P(MESH_AXIS, None), heads),
+    )
+    return sharded(cache.kv, kv_new, q, tokens, q_scale, cache.kv_scale, w["w_uv"], w["wo"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Setup: weights, the existing context, the verify tokens
+# ---------------------------------------------------------------------------------------------
+
+
+def build_cache(w: dict, context: int, capacity: int, dcp: int, key: jax.Array) -> Cache:
+    """Cache entries of `context` random hidden states at positions 0..context-1, FP8 with a
+    per-tensor scale calibrated on them; rows up to `capacity` are empty."""
+    chunk = min(1024, context)
+    kv_parts, index_parts = [], []
+    for start in range(0, context, chunk):
+        kv, index_key = context_entries(w, key, jnp.int32(start), chunk)
+        kv_parts.append(kv)
+        index_parts.append(index_key)
+        if len(kv_parts) % 8 == 0:
+            log(f"  cache: {start + chunk}/{context} tokens")
+    return quantize_cache(kv_parts, index_parts, context, capacity, dcp)
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def context_entries(
+    w: dict, key: jax.Array, start: jax.Array, chunk: int
+) -> tuple[jax.Array, jax.Array]:
+    """Cache entries (float32) of `chunk` random hidden states at positions start.."""
+    x = jax.random.normal(jax.random.fold_in(key, start), (chunk, w["wkv_a"].shape[0]))
+    return cache_entries(w, x, start + jnp.arange(chunk, dtype=jnp.int32))
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def quantize_cache(
+    kv_parts: list[jax.Array],
+    index_parts: list[jax.Array],
+    context: int,
+    capacity: int,
+    dcp: int,
+) -> Cache:
+    """The first `context` float32 entries -> FP8 cache of `capacity` rows (rank-major
+    under DCP), per-tensor scales from their amax."""
+    kv = jnp.concatenate(kv_parts)[:context]
+    index_keys = jnp.concatenate(index_parts)[:context]
+    kv_scale, index_scale = fp8_scale(kv), fp8_scale(index_keys)
+    pad = ((0, capacity - context), (0, 0))
+    kv = jnp.pad(to_fp8(kv, kv_scale), pad)
+    index_keys = jnp.pad(to_fp8(index_keys, index_scale), pad)
+    if dcp > 1:  # token t -> rank t % dcp, local row t // dcp; rank-major rows
+        kv = kv.reshape(capacity // dcp, dcp, CACHE_WIDTH).swapaxes(0, 1)
+        kv = kv.reshape(capacity, CACHE_WIDTH)
+    return Cache(kv, kv_scale, index_keys, index_scale)
+
+
+def flat_rows(tokens: jax.Array, capacity: int, dcp: int) -> jax.Array:
+    """Row of each global token in the cache's kv array (rank-major under DCP)."""
+    return (tokens % dcp) * (capacity // dcp) + tokens // dcp
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def dense_check(
+    cfg: LayerConfig, w: dict, cache: Cache, aux: StepAux, dcp: int
+) -> tuple[jax.Array, jax.Array]:
+    """Layer output [R, hidden] and latent [R, H, 512] from a dense float32 attention over
+    the step's selected keys: dequantized FP8 query and cache, exact softmax, f32 weights."""
+    capacity = cache.kv.shape[0]
+    selected = aux.tokens >= 0
+    rows = flat_rows(jnp.where(selected, aux.tokens, 0), capacity, dcp)
+    keys = cache.kv[rows].astype(jnp.float32) * cache.kv_scale  # [R, K, 576]
+    q = aux.q.astype(jnp.float32) * aux.q_scale
+    logits = jnp.einsum("rhc,rkc->rhk", q, keys, precision="highest") * cfg.softmax_scale
+    probs = jax.nn.softmax(jnp.where(selected[:, None, :], logits, -jnp.inf), axis=-1)
+    latent = jnp.einsum("rhk,rkc->rhc", probs, keys[..., :KV_LORA_RANK], precision="highest")
+    values = jnp.einsum("rhc,hcv->rhv", latent, w["w_uv"].astype(jnp.float32), precision="highest")
+    out = jnp.einsum("rhv,hvd->rd", values, w["wo"].astype(jnp.float32), precision="highest")
+    return out, latent
+
+
+def relative_error(actual: jax.Array, expected: jax.Array) -> float:
+    actual = np.asarray(actual, np.float64)
+    expected = np.asarray(expected, np.float64)
+    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__,
+        epilog=(
+            f"Fixed by the FP8 cache layout: kv_lora_rank {KV_LORA_RANK}, qk_rope_dim "
+            f"{QK_ROPE_DIM} (cache rows of {CACHE_WIDTH} bytes). Size flags override the preset "
+            f"(Kimi-K3 class by default, --small for a tiny layer). Exit status 1 when the "
+            f"dense check fails."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--small",
+        action="store_true",
+        help="tiny preset (seconds on a CPU): " + preset_summary(SMALL),
+    )
+    for name, text in SIZE_FLAGS.items():
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            type=int,
+            default=None,
+            help=f"{text} (Kimi {getattr(KIMI, name)}, --small {getattr(SMALL, name)})",
+        )
+    parser.add_argument(
+        "--context",
+        type=int,
+        default=None,
+        help="tokens already in the cache; the verify rows sit at positions context.. "
+        "(default: 32768 on GPU, 4096 on CPU, 256 with --small)",
+    )
+    parser.add_argument(
+        "--verify-rows",
+        type=int,
+        default=5,
+        help="speculative-decode verify rows: decode rows of this step (default 5)",
+    )
+    parser.add_argument(
+        "--dcp",
+        type=int,
+        default=1,
+        help="decode context parallel size: >1 shards the cache by token over N devices "
+        "and runs dcp_decode in shard_map (on CPU, N virtual devices are created; "
+        "default 1: decode on one device)",
+    )
+    parser.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help="timed iterations (default 50 on GPU, 5 on CPU; 0 skips timing)",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=3, help="untimed calls before timing (default 3)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of weights and inputs (default 0)"
+    )
+    args = parser.parse_args(argv)
+    preset = SMALL if args.small else KIMI
+    sizes = {
+        name: getattr(preset, name) if getattr(args, name) is None else getattr(args, name)
+        for name in SIZE_FLAGS
+    }
+    args.config = LayerConfig(**sizes)
+    if min(sizes.values()) < 1 or args.verify_rows < 1 or args.dcp < 1:
+        parser.error(f"sizes, --verify-rows and --dcp must be positive: {sizes}")
+    if (args.context is not None and args.context < 1) or min(args.iters or 0, args.warmup) < 0:
+        parser.error("--context must be positive, --iters and --warmup not negative")
+    if args.config.index_head_dim < QK_ROPE_DIM or args.config.index_head_dim % 2:
+        parser.error(f"--index-head-dim must be even and >= {QK_ROPE_DIM}")
+    if args.config.heads % args.dcp:
+        parser.error(f"--heads {args.config.heads} must be a multiple of --dcp {args.dcp}")
+    return args
+
+
+def preset_summary(cfg: LayerConfig) -> str:
+    return ", ".join(f"{name} {getattr(cfg, name)}" for name in SIZE_FLAGS)
+
+
+def median_time(fn: Callable[[], Any], warmup: int, iters: int) -> tuple[float, float, float]:
+    """(median, min, max) seconds of fn() with block_until_ready."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn())
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), min(times), max(times)
+
+
+def seconds(value: float) -> str:
+    return f"{value * 1e3:.2f} ms" if value >= 1e-3 else f"{value * 1e6:.1f} us"
+
+
+def banner(lines: Sequence[str]) -> None:
+    rule = "!" * 88
+    print("\n".join([rule, *[f"!!! {line}" for line in lines], rule]), flush=True)
+
+
+def make_mesh(dcp: int) -> jax.sharding.Mesh | None:
+    if dcp == 1:
+        return None
+    devices = jax.devices()
+    if len(devices) < dcp:
+        raise SystemExit(
+            f"--dcp {dcp} needs {dcp} devices; jax sees {len(devices)} "
+            f"{devices[0].platform} device(s). On a CPU machine this script creates them "
+            f"itself (XLA_FLAGS=--xla_force_host_platform_device_count={dcp} before jax is "
+            f"imported); with GPUs, run on a host with {dcp} GPUs or set JAX_PLATFORMS=cpu."
+        )
+    return jax.sharding.Mesh(np.array(devices[:dcp]), (MESH_AXIS,))
+
+
+def place(tree: Any, mesh: jax.sharding.Mesh | None, specs: Any) -> Any:
+    if mesh is None:
+        return tree
+    return jax.device_put(tree, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Runs the example; returns {"passed", "rel_error", "paths", "timings"}."""
+    global _T0
+    _T0 = time.perf_counter()
+    args = parse_args(argv)
+    cfg, dcp, rows = args.config, args.dcp, args.verify_rows
+    platform = jax.devices()[0].platform
+    on_gpu = platform == "gpu"
+    context = args.context or (256 if args.small else 32768 if on_gpu else 4096)
+    iters = args.iters if args.iters is not None else (50 if on_gpu else 5)
+    capacity = max(context + rows, cfg.index_topk)
+    capacity = -(-capacity // (16 * dcp)) * 16 * dcp
+    mesh = make_mesh(dcp)
+
+    log(
+        f"jax {jax.__version__}, {len(jax.devices())} {platform} device(s): "
+        f"{jax.devices()[0].device_kind}"
+    )
+    log(
+        f"layer: {preset_summary(cfg)}, kv_lora_rank {KV_LORA_RANK}, qk_rope {QK_ROPE_DIM}, "
+        f"softmax_scale {cfg.softmax_scale:.5f}"
+    )
+    attention = f"dcp_decode in shard_map over {dcp} devices" if mesh else "decode (1 device)"
+    log(
+        f"step: {rows} verify rows at positions {context}..{context + rows - 1}, "
+        f"cache {context} tokens (capacity {capacity} x {CACHE_WIDTH} FP8), top-k "
+        f"{cfg.index_topk}, attention: {attention}"
+    )
+
+    key = jax.random.key(args.seed)
+    rng = np.random.default_rng(args.seed + 1)
+    log("building random weights ...")
+    weights = jax.block_until_ready(init_weights(cfg, args.seed))
+    n_params = sum(a.size for a in weights.values())
+    log(f"  {n_params / 1e6:.1f} M parameters (bf16)")
+    log(f"building the cache of {context} tokens ...")
+    cache = build_cache(weights, context, capacity, dcp, jax.random.fold_in(key, 1))
+    cache = jax.block_until_ready(cache)
+    log(f"  kv_scale {float(cache.kv_scale):.4g}, index_scale {float(cache.index_scale):.4g}")
+    x = jnp.asarray(rng.standard_normal((rows, cfg.hidden), np.float32), jnp.bfloat16)
+    pos = jnp.int32(context)
+
+    weight_specs = {name: P() for name in weights}
+    weight_specs.update(w_uv=P(MESH_AXIS), wo=P(MESH_AXIS))
+    weights = place(weights, mesh, weight_specs)
+    cache_specs = Cache(P(MESH_AXIS, None), P(), P(), P())
+
+    paths = ["kernel", "reference"] if on_gpu else ["reference"]
+    if not on_gpu:
+        log(f"on {platform}: only the pure-jnp reference path runs (the kernel needs a GPU)")
+    results: dict[str, Any] = {"passed": True, "rel_error": {}, "paths": [], "timings": {}}
+    for path in paths:
+        step_cache = place(jax.tree.map(jnp.copy, cache), mesh, cache_specs)
+        try:
+            error, median = run_path(path, cfg, mesh, weights, step_cache, x, pos, args, iters)
+        except Exception as failure:  # the kernel path: say loudly why, then run the reference
+            if path != "kernel":
+                raise
+            expected = isinstance(failure, (NotImplementedError, kernel_unavailable_error()))
+            banner(
+                [
+                    f"THE CuTe KERNEL IS NOT USED on this {platform}: implementation='cute' "
+                    + ("is unavailable" if expected else "FAILED"),
+                    f"{type(failure).__name__}: {failure}",
+                    "only the pure-jnp reference path runs below",
+                ]
+            )
+            results["kernel_error"] = f"{type(failure).__name__}: {failure}"
+            results["passed"] &= expected
+            continue
+        results["paths"].append(path)
+        results["rel_error"][path] = error
+        results["passed"] &= bool(error <= TOLERANCE)
+        if median is not None:
+            results["timings"][path] = median
+
+    if on_gpu and "kernel" not in results["paths"]:
+        banner(["NO KERNEL: the step ran on the pure-jnp reference path only"])
+    if {"kernel", "reference"} <= results["timings"].keys():
+        speedup = results["timings"]["reference"] / results["timings"]["kernel"]
+        print(f"TIME kernel vs reference: {speedup:.2f}x for the whole step", flush=True)
+    print(f"RESULT: {'PASS' if results['passed'] else 'FAIL'}", flush=True)
+    return results
+
+
+def run_path(
+    path: str,
+    cfg: LayerConfig,
+    mesh: jax.sharding.Mesh | None,
+    weights: dict,
+    cache: Cache,
+    x: jax.Array,
+    pos: jax.Array,
+    args: argparse.Namespace,
+    iters: int,
+) -> tuple[float, float | None]:
+    """Compiles, checks and times the step on one path ("kernel": implementation='cute',
+    "reference"); returns (relative error, median seconds or None)."""
+    implementation = "cute" if path == "kernel" else "reference"
+    platform = jax.devices()[0].platform
+    log(f"compiling the step ({path} path, implementation={implementation!r}) ...")
+    compiled = make_step(cfg, mesh, implementation).lower(weights, cache, x, pos).compile()
+    what = "the CuTe DSL kernel" if path == "kernel" else "the pure-jnp reference"
+    launches = compiled.as_text().count(f'custom_call_target="{KERNEL_TARGET}"')
+    log(
+        f"  compiled; PATH RUNNING: {what} on {platform} (implementation={implementation!r}; "
+        f"{launches} kernel call(s) in the compiled step)"
+    )
+    if path == "kernel" and launches == 0:
+        raise RuntimeError(f"no {KERNEL_TARGET!r} custom call in the compiled kernel path")
+
+    out, cache, aux = compiled(weights, cache, x, pos)
+    out = jax.block_until_ready(out)
+    dcp = 1 if mesh is None else mesh.shape[MESH_AXIS]
+    expected_out, expected_latent = dense_check(cfg, weights, cache, aux, dcp)
+    error = relative_error(out, expected_out)
+    latent_error = relative_error(aux.latent, expected_latent)
+    error = error if np.isfinite(error) else math.inf
+    valid = np.asarray(jnp.sum(aux.tokens >= 0, axis=1))
+    log(f"  keys attended per row: {valid.tolist()}; q_scale {float(aux.q_scale):.4g}")
+    print(
+        f"CHECK {path}: layer output vs dense f32 attention over the same keys: rel error "
+        f"{error:.3e} (attention latent {latent_error:.3e}), threshold {TOLERANCE:.4g} -> "
+        f"{'PASS' if error <= TOLERANCE else 'FAIL'}",
+        flush=True,
+    )
+    if iters == 0:
+        return error, None
+
+    state = {"cache": cache}
+
+    def call() -> jax.Array:
+        out, state["cache"], _ = compiled(weights, state["cache"], x, pos)
+        return out
+
+    median, low, high = median_time(call, args.warmup, iters)
+    print(
+        f"TIME {path}: jitted step median {seconds(median)} (min {seconds(low)}, max "
+        f"{seconds(high)}) over {iters} calls, wall clock incl. dispatch",
+        flush=True,
+    )
+    return error, median
+
+
+def kernel_unavailable_error() -> type[Exception]:
+    """The package's 'no kernel here' error, where it exists (else NotImplementedError)."""
+    try:
+        from jax_sparse_mla.kernel.config import KernelUnavailableError
+    except ImportError:
+        return NotImplementedError
+    return KernelUnavailableError
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main()["passed"] else 1)
