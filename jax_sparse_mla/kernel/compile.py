@@ -1,0 +1,184 @@
+"""Compiled sparse decode cubins: in-memory cache, disk cache, and compilation with the DSL.
+
+``get_kernel(config)`` looks up, in order: this process's cache, the disk cache
+(``$JAX_SPARSE_MLA_CACHE_DIR``, default ``~/.cache/jax_sparse_mla``), and finally compiles
+with nvidia-cutlass-dsl for sm_90a (no GPU needed) and stores the result. Disk entries are
+``<slug>-<fingerprint>-<dsl version>.{cubin,json}``; the fingerprint hashes this package's
+kernel sources, so editing the kernel invalidates every entry. Without the DSL, an entry of
+any DSL version with a matching slug and fingerprint is accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.metadata
+import json
+import os
+import pathlib
+import re
+import tempfile
+import threading
+
+from jax_sparse_mla.kernel.config import (
+    ARCH,
+    PARAMS,
+    SMEM_BYTES,
+    KernelConfig,
+    KernelUnavailableError,
+)
+
+_KERNEL_DIR = pathlib.Path(__file__).resolve().parent
+_DSL_PACKAGE = "nvidia-cutlass-dsl"
+_MEMORY: dict[KernelConfig, CompiledKernel] = {}
+_LOCK = threading.Lock()
+# The ABI: seven global pointers, then n_rows.
+_PARAM_TYPES = ("u64",) * 7 + ("u32",)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledKernel:
+    """A cubin and its launch metadata (kernel_name, grid, block, cluster, smem_bytes, ...)."""
+
+    cubin: bytes
+    meta: dict
+
+
+def source_fingerprint() -> str:
+    """Hash of the kernel package's sources (names and bytes), 16 hex digits."""
+    digest = hashlib.sha256()
+    for path in sorted(_KERNEL_DIR.glob("*.py")):
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def dsl_version() -> str | None:
+    """The installed nvidia-cutlass-dsl version, or None without the DSL."""
+    try:
+        return importlib.metadata.version(_DSL_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def default_cache_dir() -> pathlib.Path:
+    """$JAX_SPARSE_MLA_CACHE_DIR, else ~/.cache/jax_sparse_mla."""
+    value = os.environ.get("JAX_SPARSE_MLA_CACHE_DIR")
+    return pathlib.Path(value) if value else pathlib.Path.home() / ".cache" / "jax_sparse_mla"
+
+
+def get_kernel(
+    config: KernelConfig, *, cache_dir: str | os.PathLike | None = None
+) -> CompiledKernel:
+    """The compiled kernel of ``config``: from memory, the disk cache, or the DSL."""
+    with _LOCK:
+        if config in _MEMORY and cache_dir is None:
+            return _MEMORY[config]
+        directory = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        fingerprint, version = source_fingerprint(), dsl_version()
+        kernel = _load(directory, config, fingerprint, version)
+        if kernel is None:
+            if version is None:
+                raise KernelUnavailableError(
+                    f"no cached cubin for {config} (fingerprint {fingerprint}) in {directory}, "
+                    f"and {_DSL_PACKAGE} is not installed: install the package's 'gpu' extra, "
+                    "or fill the cache on any machine with "
+                    "`python -m jax_sparse_mla.aot --arch sm_90a --out DIR --case NAME` and "
+                    "point JAX_SPARSE_MLA_CACHE_DIR at DIR."
+                )
+            kernel = compile_kernel(config, fingerprint, version)
+            _store(directory, kernel)
+        if cache_dir is None:
+            _MEMORY[config] = kernel
+        return kernel
+
+
+def _stem(config: KernelConfig, fingerprint: str, version: str) -> str:
+    return f"{config.slug}-{fingerprint}-{version}"
+
+
+def _load(directory, config, fingerprint, version) -> CompiledKernel | None:
+    if version is not None:
+        candidates = [directory / f"{_stem(config, fingerprint, version)}.json"]
+    else:
+        candidates = sorted(directory.glob(f"{config.slug}-{fingerprint}-*.json"))
+    for meta_path in candidates:
+        cubin_path = meta_path.with_suffix(".cubin")
+        try:
+            meta = json.loads(meta_path.read_text())
+            cubin = cubin_path.read_bytes()
+        except (OSError, ValueError):
+            continue
+        if meta.get("config") == dataclasses.asdict(config) and meta.get("params") == list(PARAMS):
+            return CompiledKernel(cubin, meta)
+    return None
+
+
+def _store(directory: pathlib.Path, kernel: CompiledKernel) -> None:
+    meta = kernel.meta
+    config = KernelConfig(**meta["config"])
+    stem = _stem(config, meta["fingerprint"], meta["dsl_version"])
+    directory.mkdir(parents=True, exist_ok=True)
+    for suffix, data in ((".cubin", kernel.cubin), (".json", json.dumps(meta, indent=1).encode())):
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{stem}", suffix=suffix)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, directory / f"{stem}{suffix}")
+
+
+def parse_entry(ptx: str) -> tuple[str, list[str]]:
+    """The kernel entry's name and parameter types (u64 / u32 ...) from PTX text."""
+    match = re.search(r"\.visible\s+\.entry\s+(\w+)\s*\((.*?)\)", ptx, re.S)
+    if match is None:
+        raise RuntimeError("no .entry in the compiled PTX")
+    name, params = match.group(1), match.group(2)
+    types = re.findall(r"\.param\s+\.(\w+)", params)
+    return name, types
+
+
+def compile_kernel(config: KernelConfig, fingerprint: str, version: str) -> CompiledKernel:
+    """Compile ``config`` to an sm_90a cubin with the DSL (works without a GPU)."""
+    # The DSL reads its environment at import: without this it targets sm_100a.
+    os.environ["CUTE_DSL_ARCH"] = ARCH
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    from jax_sparse_mla.kernel.sparse_decode import SparseDecode
+
+    gmem = cute.AddressSpace.gmem
+    args = (
+        make_ptr(cutlass.Uint8, 0, gmem, assumed_align=16),  # q
+        make_ptr(cutlass.Uint8, 0, gmem, assumed_align=16),  # kv
+        make_ptr(cutlass.Int32, 0, gmem, assumed_align=4),  # rows
+        make_ptr(cutlass.Int32, 0, gmem, assumed_align=4),  # valid
+        make_ptr(cutlass.Float32, 0, gmem, assumed_align=4),  # scales
+        make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16),  # latent
+        make_ptr(cutlass.Float32, 0, gmem, assumed_align=4),  # lse
+        cutlass.Int32(1),  # n_rows
+    )
+    with tempfile.TemporaryDirectory(prefix="jax_sparse_mla-") as dump:
+        options = f"--gpu-arch {ARCH} --keep-cubin --keep-ptx --dump-dir {dump}"
+        compiled = cute.compile(SparseDecode(config), *args, options=options)
+        cubin, ptx = compiled.artifacts.CUBIN, compiled.artifacts.PTX
+        if not cubin or not ptx:  # older DSLs only dump the files
+            cubin = next(pathlib.Path(dump).glob("*.cubin")).read_bytes()
+            ptx = next(pathlib.Path(dump).glob("*.ptx")).read_text()
+    if f".target {ARCH}" not in ptx:
+        raise RuntimeError(f"the DSL compiled for another arch than {ARCH}")
+    name, types = parse_entry(ptx)
+    if tuple(types) != _PARAM_TYPES:
+        raise RuntimeError(f"kernel {name} has params {types}, the ABI wants {_PARAM_TYPES}")
+    meta = {
+        "kernel_name": name,
+        "grid": list(config.grid),
+        "block": list(config.block),
+        "cluster": list(config.cluster),
+        "smem_bytes": SMEM_BYTES,
+        "params": list(PARAMS),
+        "arch": ARCH,
+        "dsl_version": version,
+        "fingerprint": fingerprint,
+        "config": dataclasses.asdict(config),
+    }
+    return CompiledKernel(bytes(cubin), meta)

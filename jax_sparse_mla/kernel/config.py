@@ -1,0 +1,82 @@
+"""Static configuration and layout constants of the sparse decode kernel (no DSL import).
+
+A machine without nvidia-cutlass-dsl imports this module to name, cache and launch cubins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+HEADS = 16  # query heads per cluster (the MMA's M)
+SPLIT = 4  # CTAs per cluster: each takes 1 / SPLIT of the row's keys
+THREADS = 512  # 16 warps
+WARPS = THREADS // 32
+ROW = 576  # bytes of a query or cache row (512 latent + 64 RoPE, FP8)
+LATENT = 512  # V: the first LATENT bytes of a cache row
+COLS = LATENT // SPLIT  # latent columns each CTA merges
+CHUNK = 128  # keys per chunk; QK warp w takes keys 8 w .. 8 w + 7
+QK_WARPS = CHUNK // 8
+QK_CHAINS = 2  # independent QK accumulator chains per warp
+PITCH = ROW + 16  # smem row pitch: ldmatrix rows land on distinct banks
+P_PITCH = CHUNK + 16  # smem pitch of the E4M3 P tile [HEADS, CHUNK]
+LOG2_P_SCALE = math.log2(448.0)  # P is quantized at 448 (the E4M3 maximum) of the running max
+LN2 = math.log(2.0)
+
+STAGES = 2  # chunk buffers: chunk c + 1 is gathered while chunk c is computed
+
+# Dynamic shared memory layout (byte offsets; every region 16-byte aligned).
+KV_OFFSET = 0  # [STAGES, CHUNK, PITCH] u8: gathered cache rows
+Q_OFFSET = KV_OFFSET + STAGES * CHUNK * PITCH  # [HEADS, PITCH] u8: the 16 query rows
+P_OFFSET = Q_OFFSET + HEADS * PITCH  # [HEADS, P_PITCH] u8: E4M3 P
+RED_OFFSET = P_OFFSET + HEADS * P_PITCH  # [2, QK_WARPS, HEADS] f32: chunk maxima, sums
+LIVE_OFFSET = RED_OFFSET + 2 * QK_WARPS * HEADS * 4  # [STAGES, CHUNK] i32: key copied (1)
+INBOX_OFFSET = (
+    LIVE_OFFSET + STAGES * CHUNK * 4
+)  # [SPLIT, HEADS, COLS] f32: partials pushed by peers
+STATS_OFFSET = INBOX_OFFSET + SPLIT * HEADS * COLS * 4  # [SPLIT, 2, HEADS] f32: (max, sum)
+BAR_OFFSET = STATS_OFFSET + SPLIT * 2 * HEADS * 4  # u64 mbarriers: STAGES chunks, inbound
+SMEM_BYTES = BAR_OFFSET + 8 * (STAGES + 1)
+INBOUND_BYTES = SPLIT * (HEADS * COLS + 2 * HEADS) * 4  # bytes the peers push to one CTA
+
+ARCH = "sm_90a"
+PARAMS = ("q", "kv", "rows", "valid", "scales", "latent", "lse", "n_rows")
+
+
+class KernelUnavailableError(RuntimeError):
+    """No compiled cubin for a config: the DSL is missing and the disk cache has none."""
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Static shape of one kernel: batch rows B, padded heads Hp (a multiple of 16), width K."""
+
+    batch: int
+    heads: int
+    width: int
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "heads", "width"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"KernelConfig.{name} must be a positive int, got {value!r}")
+        if self.heads % HEADS:
+            raise ValueError(f"KernelConfig.heads must be a multiple of {HEADS}, {self.heads=}")
+
+    @property
+    def slug(self) -> str:
+        """File-name stem of this config."""
+        return f"b{self.batch}-h{self.heads}-k{self.width}"
+
+    @property
+    def grid(self) -> tuple[int, int, int]:
+        """Launch grid: a cluster of SPLIT CTAs per (16 heads, row)."""
+        return (self.heads // HEADS * SPLIT, self.batch, 1)
+
+    @property
+    def block(self) -> tuple[int, int, int]:
+        return (THREADS, 1, 1)
+
+    @property
+    def cluster(self) -> tuple[int, int, int]:
+        return (SPLIT, 1, 1)

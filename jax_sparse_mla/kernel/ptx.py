@@ -1,0 +1,297 @@
+"""Inline-PTX helpers of the sparse decode kernel (sm_90a).
+
+Shared-memory operands are 32-bit shared-window addresses (Int32), global operands 64-bit
+addresses (Int64). Every helper that touches memory is volatile, so LLVM neither hoists
+it out of the chunk loop nor moves it across barriers.
+"""
+
+from __future__ import annotations
+
+from cutlass import Boolean, Float32, Int32, Int64
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import arith, llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+
+def _asm(results, operands, code, constraints, volatile, loc, ip):
+    """One llvm.inline_asm; ``results`` is None, one type or a list of types."""
+    multiple = isinstance(results, list)
+    result_type = llvm.StructType.get_literal(results) if multiple else results
+    value = llvm.inline_asm(
+        result_type,
+        operands,
+        code,
+        constraints,
+        has_side_effects=volatile,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc,
+        ip=ip,
+    )
+    if isinstance(results, list):
+        return [
+            llvm.extractvalue(kind, value, [i], loc=loc, ip=ip) for i, kind in enumerate(results)
+        ]
+    return value
+
+
+def _i32(x, loc, ip) -> ir.Value:
+    return Int32(x).ir_value(loc=loc, ip=ip)
+
+
+def _i64(x, loc, ip) -> ir.Value:
+    return Int64(x).ir_value(loc=loc, ip=ip)
+
+
+def _f32(x, loc, ip) -> ir.Value:
+    return Float32(x).ir_value(loc=loc, ip=ip)
+
+
+# ---- selection ---------------------------------------------------------------------------
+
+
+@dsl_user_op
+def where(cond, if_true, if_false, *, loc=None, ip=None) -> Float32:
+    """Float32 select (no branch)."""
+    value = arith.select(
+        Boolean(cond).ir_value(loc=loc, ip=ip),
+        _f32(if_true, loc, ip),
+        _f32(if_false, loc, ip),
+        loc=loc,
+        ip=ip,
+    )
+    return Float32(value)
+
+
+# ---- global memory -----------------------------------------------------------------------
+
+
+@dsl_user_op
+def load_global_i32(addr, *, loc=None, ip=None) -> Int32:
+    """ld.global.s32."""
+    code = "ld.global.s32 $0, [$1];"
+    return Int32(_asm(T.i32(), [_i64(addr, loc, ip)], code, "=r,l", True, loc, ip))
+
+
+@dsl_user_op
+def load_global_f32(addr, *, loc=None, ip=None) -> Float32:
+    """ld.global.f32."""
+    code = "ld.global.f32 $0, [$1];"
+    return Float32(_asm(T.f32(), [_i64(addr, loc, ip)], code, "=f,l", True, loc, ip))
+
+
+@dsl_user_op
+def load_global_v4(addr, *, loc=None, ip=None) -> tuple:
+    """Four words of global memory (16-byte aligned)."""
+    code = "ld.global.v4.u32 {$0, $1, $2, $3}, [$4];"
+    words = _asm([T.i32()] * 4, [_i64(addr, loc, ip)], code, "=r,=r,=r,=r,l", True, loc, ip)
+    return tuple(Int32(w) for w in words)
+
+
+@dsl_user_op
+def store_global_v2(addr, w0, w1, *, loc=None, ip=None) -> None:
+    """Two words to global memory (8-byte aligned)."""
+    code = "st.global.v2.b32 [$0], {$1, $2};"
+    operands = [_i64(addr, loc, ip), _i32(w0, loc, ip), _i32(w1, loc, ip)]
+    _asm(None, operands, code, "l,r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def store_global_f32(addr, value, *, loc=None, ip=None) -> None:
+    """st.global.f32."""
+    operands = [_i64(addr, loc, ip), _f32(value, loc, ip)]
+    _asm(None, operands, "st.global.f32 [$0], $1;", "l,f,~{memory}", True, loc, ip)
+
+
+# ---- shared memory -----------------------------------------------------------------------
+
+
+@dsl_user_op
+def load_shared_u32(addr, *, loc=None, ip=None) -> Int32:
+    """One word of shared memory."""
+    code = "ld.shared.u32 $0, [$1];"
+    return Int32(_asm(T.i32(), [_i32(addr, loc, ip)], code, "=r,r", True, loc, ip))
+
+
+@dsl_user_op
+def load_shared_f32(addr, *, loc=None, ip=None) -> Float32:
+    """ld.shared.f32."""
+    code = "ld.shared.f32 $0, [$1];"
+    return Float32(_asm(T.f32(), [_i32(addr, loc, ip)], code, "=f,r", True, loc, ip))
+
+
+@dsl_user_op
+def load_shared_v4_f32(addr, *, loc=None, ip=None) -> tuple:
+    """Four floats of shared memory (16-byte aligned)."""
+    code = "ld.shared.v4.f32 {$0, $1, $2, $3}, [$4];"
+    values = _asm([T.f32()] * 4, [_i32(addr, loc, ip)], code, "=f,=f,=f,=f,r", True, loc, ip)
+    return tuple(Float32(v) for v in values)
+
+
+@dsl_user_op
+def store_shared_v4(addr, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
+    """Four words to shared memory (16-byte aligned)."""
+    code = "st.shared.v4.b32 [$0], {$1, $2, $3, $4};"
+    operands = [_i32(addr, loc, ip)] + [_i32(w, loc, ip) for w in (w0, w1, w2, w3)]
+    _asm(None, operands, code, "r,r,r,r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def store_shared_u32(addr, word, *, loc=None, ip=None) -> None:
+    """One word to shared memory."""
+    operands = [_i32(addr, loc, ip), _i32(word, loc, ip)]
+    _asm(None, operands, "st.shared.b32 [$0], $1;", "r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def store_shared_f32(addr, value, *, loc=None, ip=None) -> None:
+    """st.shared.f32."""
+    operands = [_i32(addr, loc, ip), _f32(value, loc, ip)]
+    _asm(None, operands, "st.shared.f32 [$0], $1;", "r,f,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def store_e4m3_pair(addr, low, high, *, loc=None, ip=None) -> None:
+    """E4M3 (satfinite, RN) of ``low``, ``high`` as two bytes of shared memory."""
+    code = "{ .reg .b16 pair; cvt.rn.satfinite.e4m3x2.f32 pair, $2, $1; st.shared.b16 [$0], pair; }"
+    operands = [_i32(addr, loc, ip), _f32(low, loc, ip), _f32(high, loc, ip)]
+    _asm(None, operands, code, "r,f,f,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def ldmatrix_x4(addr, *, loc=None, ip=None) -> tuple:
+    """ldmatrix x4 (b16): four 8x16-byte tiles, lanes 8 i .. 8 i + 7 address tile i's rows."""
+    code = "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];"
+    words = _asm([T.i32()] * 4, [_i32(addr, loc, ip)], code, "=r,=r,=r,=r,r", True, loc, ip)
+    return tuple(Int32(w) for w in words)
+
+
+# ---- arithmetic --------------------------------------------------------------------------
+
+
+@dsl_user_op
+def mma_e4m3(a, b, c, *, loc=None, ip=None) -> tuple:
+    """mma.sync m16n8k32 E4M3 x E4M3 + FP32: a 4 words, b 2 words, c 4 floats -> 4 floats."""
+    code = (
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
+        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};"
+    )
+    operands = [_i32(x, loc, ip) for x in (*a, *b)] + [_f32(x, loc, ip) for x in c]
+    constraints = "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f"
+    values = _asm([T.f32()] * 4, operands, code, constraints, False, loc, ip)
+    return tuple(Float32(v) for v in values)
+
+
+@dsl_user_op
+def prmt(a, b, selector: int, *, loc=None, ip=None) -> Int32:
+    """Byte permute of (b:a) by a constant selector."""
+    code = f"prmt.b32 $0, $1, $2, {selector:#x};"
+    operands = [_i32(a, loc, ip), _i32(b, loc, ip)]
+    return Int32(_asm(T.i32(), operands, code, "=r,r,r", False, loc, ip))
+
+
+@dsl_user_op
+def bf16x2(low, high, *, loc=None, ip=None) -> Int32:
+    """BF16 (RN) of ``low``, ``high`` packed in one word, ``low`` in the low half."""
+    code = "cvt.rn.bf16x2.f32 $0, $2, $1;"
+    operands = [_f32(low, loc, ip), _f32(high, loc, ip)]
+    return Int32(_asm(T.i32(), operands, code, "=r,f,f", False, loc, ip))
+
+
+# ---- barriers and async copies -----------------------------------------------------------
+
+
+@dsl_user_op
+def sync_count(predicate, *, loc=None, ip=None) -> Int32:
+    """__syncthreads_count: a CTA barrier that returns how many threads passed ``predicate``."""
+    code = "{ .reg .pred p; setp.ne.b32 p, $1, 0; bar.red.popc.u32 $0, 0, p; }"
+    operands = [_i32(predicate, loc, ip)]
+    return Int32(_asm(T.i32(), operands, code, "=r,r,~{memory}", True, loc, ip))
+
+
+@dsl_user_op
+def mbarrier_init(bar, count: int, *, loc=None, ip=None) -> None:
+    """mbarrier.init of ``count`` arrivals."""
+    code = f"mbarrier.init.shared::cta.b64 [$0], {count};"
+    _asm(None, [_i32(bar, loc, ip)], code, "r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def mbarrier_arrive_expect_tx(bar, tx_bytes, *, loc=None, ip=None) -> None:
+    """Arrive on ``bar`` expecting ``tx_bytes`` more bytes this phase."""
+    code = "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;"
+    operands = [_i32(bar, loc, ip), _i32(tx_bytes, loc, ip)]
+    _asm(None, operands, code, "r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def mbarrier_arrive(bar, *, loc=None, ip=None) -> None:
+    """Plain arrive on ``bar``."""
+    code = "mbarrier.arrive.shared::cta.b64 _, [$0];"
+    _asm(None, [_i32(bar, loc, ip)], code, "r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def mbarrier_wait(bar, phase, *, loc=None, ip=None) -> None:
+    """Spin until phase ``phase`` of ``bar`` completes (CTA scope)."""
+    code = (
+        "{ .reg .pred p; W${:uid}: mbarrier.try_wait.parity.shared::cta.b64 p, [$0], $1; "
+        "@!p bra W${:uid}; }"
+    )
+    operands = [_i32(bar, loc, ip), _i32(phase, loc, ip)]
+    _asm(None, operands, code, "r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def mbarrier_wait_cluster(bar, phase, *, loc=None, ip=None) -> None:
+    """Spin until phase ``phase`` of ``bar`` completes, acquiring the cluster's writes."""
+    code = (
+        "{ .reg .pred p; W${:uid}: "
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$0], $1; "
+        "@!p bra W${:uid}; }"
+    )
+    operands = [_i32(bar, loc, ip), _i32(phase, loc, ip)]
+    _asm(None, operands, code, "r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def fence_proxy_async_shared(*, loc=None, ip=None) -> None:
+    """Order this thread's generic shared-memory writes before later async-proxy writes."""
+    _asm(None, [], "fence.proxy.async.shared::cta;", "~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def copy_g2s(dst, src, size: int, bar, *, loc=None, ip=None) -> None:
+    """cp.async.bulk of ``size`` bytes global -> shared, completing tx bytes on ``bar``."""
+    code = (
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
+        f"[$0], [$1], {size}, [$2];"
+    )
+    operands = [_i32(dst, loc, ip), _i64(src, loc, ip), _i32(bar, loc, ip)]
+    _asm(None, operands, code, "r,l,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def map_peer(addr, rank, *, loc=None, ip=None) -> Int32:
+    """The shared::cluster address of ``addr`` in CTA ``rank`` of the cluster."""
+    code = "mapa.shared::cluster.u32 $0, $1, $2;"
+    operands = [_i32(addr, loc, ip), _i32(rank, loc, ip)]
+    return Int32(_asm(T.i32(), operands, code, "=r,r,r", False, loc, ip))
+
+
+@dsl_user_op
+def push_v4_f32(remote, values, remote_bar, *, loc=None, ip=None) -> None:
+    """st.async of four floats into a peer's shared memory, completing 16 bytes on its bar."""
+    code = (
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [$0], {$1, $2, $3, $4}, [$5];"
+    )
+    operands = [_i32(remote, loc, ip)] + [_f32(v, loc, ip) for v in values]
+    operands.append(_i32(remote_bar, loc, ip))
+    _asm(None, operands, code, "r,f,f,f,f,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def push_f32(remote, value, remote_bar, *, loc=None, ip=None) -> None:
+    """st.async of one float into a peer's shared memory, completing 4 bytes on its bar."""
+    code = "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [$0], $1, [$2];"
+    operands = [_i32(remote, loc, ip), _f32(value, loc, ip), _i32(remote_bar, loc, ip)]
+    _asm(None, operands, code, "r,f,r,~{memory}", True, loc, ip)

@@ -1,0 +1,402 @@
+"""Sparse MLA decode on an FP8 E4M3 cache for Hopper (sm_90a), in CuTe DSL.
+
+A port of SparseDcpDecode (see DESIGN.md): a cluster of SPLIT CTAs per (16 heads, row b),
+each CTA taking 1 / SPLIT of the row's keys. Per chunk of up to CHUNK keys a CTA gathers the
+cache rows with cp.async.bulk (one 576-byte row each, on the chunk's mbarrier; STAGES buffers,
+so chunk c + 1 is in flight while chunk c is computed; beyond the seed), computes QK with
+FP8 mma.sync m16n8k32 (warp w: keys 8 w .. 8 w + 7 x 16 heads), runs an online softmax in
+log2 units with E4M3 P at 448 of the running max (FP32 sums of the unquantized P), and
+accumulates PV with FP8 mma.sync (warp w: latent columns 32 w .. 32 w + 31; V transposed in
+registers with byte permutes). The cluster then merges its partials in FP32 over
+distributed shared memory (st.async onto each column owner's mbarrier); CTA s writes columns
+s * COLS .. s * COLS + COLS - 1 and, for s = 0, the LSE.
+
+Parameters are raw pointers and one i32 (kernel ABI in .notes/CONTRACT.md); shapes are
+static (KernelConfig). Nothing is read before griddepcontrol.wait (PDL).
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from jax_sparse_mla.kernel import ptx
+from jax_sparse_mla.kernel.config import (
+    BAR_OFFSET,
+    CHUNK,
+    COLS,
+    HEADS,
+    INBOUND_BYTES,
+    INBOX_OFFSET,
+    KV_OFFSET,
+    LATENT,
+    LIVE_OFFSET,
+    LN2,
+    LOG2_P_SCALE,
+    P_OFFSET,
+    P_PITCH,
+    PITCH,
+    Q_OFFSET,
+    QK_CHAINS,
+    QK_WARPS,
+    RED_OFFSET,
+    ROW,
+    SMEM_BYTES,
+    SPLIT,
+    STAGES,
+    STATS_OFFSET,
+    THREADS,
+    KernelConfig,
+)
+
+assert QK_WARPS <= THREADS // 32 and CHUNK % 32 == 0 and CHUNK <= THREADS
+assert COLS == 128  # the merge: 32 lanes x 4 columns per head
+
+
+def transpose4(w):
+    """Bytes of four words -> four words of bytes: out[j] = (w0.j, w1.j, w2.j, w3.j)."""
+    lo01, hi01 = ptx.prmt(w[0], w[1], 0x5140), ptx.prmt(w[0], w[1], 0x7362)
+    lo23, hi23 = ptx.prmt(w[2], w[3], 0x5140), ptx.prmt(w[2], w[3], 0x7362)
+    return (
+        ptx.prmt(lo01, lo23, 0x5410),
+        ptx.prmt(lo01, lo23, 0x7632),
+        ptx.prmt(hi01, hi23, 0x5410),
+        ptx.prmt(hi01, hi23, 0x7632),
+    )
+
+
+class SparseDecode:
+    """Sparse decode of ``config.batch`` rows x ``config.heads`` heads over rows [B, K]."""
+
+    def __init__(self, config: KernelConfig):
+        self.batch, self.heads, self.width = config.batch, config.heads, config.width
+        self.grid = config.grid
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Pointer,
+        mKV: cute.Pointer,
+        mRows: cute.Pointer,
+        mValid: cute.Pointer,
+        mScales: cute.Pointer,
+        mLatent: cute.Pointer,
+        mLse: cute.Pointer,
+        n_rows: Int32,
+    ):
+        self.kernel(mQ, mKV, mRows, mValid, mScales, mLatent, mLse, n_rows).launch(
+            grid=self.grid,
+            block=(THREADS, 1, 1),
+            cluster=(SPLIT, 1, 1),
+            smem=SMEM_BYTES,
+            use_pdl=True,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Pointer,
+        mKV: cute.Pointer,
+        mRows: cute.Pointer,
+        mValid: cute.Pointer,
+        mScales: cute.Pointer,
+        mLatent: cute.Pointer,
+        mLse: cute.Pointer,
+        n_rows: Int32,
+    ):
+        smem = cutlass.memory.SmemAllocator()
+        base = smem.allocate(SMEM_BYTES, 1024).toint()
+        sKV, sQ, sP = base + KV_OFFSET, base + Q_OFFSET, base + P_OFFSET
+        sRed, sLive = base + RED_OFFSET, base + LIVE_OFFSET
+        sInbox, sStats = base + INBOX_OFFSET, base + STATS_OFFSET
+        bar, inbound = base + BAR_OFFSET, base + BAR_OFFSET + 8 * STAGES
+
+        tid, _, _ = cute.arch.thread_idx()
+        x, b, _ = cute.arch.block_idx()
+        tile, split = x // SPLIT, x % SPLIT
+        lane, warp = tid % 32, tid // 32
+        group, quarter = lane // 4, lane % 4
+        neg_inf = Float32(-math.inf)
+
+        if tid == 0:
+            for stage in cutlass.range_constexpr(STAGES):
+                # One arrival per key slot: copying threads arrive with their row's bytes.
+                ptx.mbarrier_init(bar + 8 * stage, CHUNK)
+            ptx.mbarrier_init(inbound, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        if tid == 0:
+            ptx.mbarrier_arrive_expect_tx(inbound, INBOUND_BYTES)
+        # Every CTA's inbound barrier is armed before any peer pushes (cluster_wait below).
+        cute.arch.cluster_arrive_relaxed()
+        # Nothing above reads the inputs: the kernel before may still be running.
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+
+        scale_log2 = ptx.load_global_f32(mScales.toint())
+        n = ptx.load_global_i32(mValid.toint() + Int64(b) * 4)
+        n = max(min(n, Int32(self.width)), Int32(0))
+        # This CTA's keys: [first, first + mine).
+        per = (n + SPLIT - 1) // SPLIT
+        first = min(n, split * per)
+        mine = min(n - first, per)
+        rows_base = mRows.toint() + Int64(b) * (self.width * 4)
+
+        m_run = cute.make_rmem_tensor((2,), Float32)  # rows group, group + 8 (log2 units)
+        m_run.fill(neg_inf)
+        l_run = cute.make_rmem_tensor((2,), Float32)
+        l_run.fill(0.0)
+        acc = cute.make_rmem_tensor((4, 4), Float32)  # [n-tile j, c fragment]
+        acc.fill(0.0)
+        # ldmatrix lane addresses: A (16 heads x 32 B), B (8 keys x 2 k-steps of 32 B).
+        a_row = lane % 8 + 8 * ((lane // 8) % 2)
+        a_col = 16 * (lane // 16)
+        b_row = 8 * warp + lane % 8
+        b_col = 16 * (lane // 8)
+        chunks = (mine + CHUNK - 1) // CHUNK
+        # Thread t < CHUNK gathers key t of each chunk; its row index is loaded a chunk ahead.
+        row = self.load_row(rows_base, first, mine, 0, tid)
+        if chunks > 0:
+            self.gather(mKV, sKV, sLive, bar, row, mine, 0, n_rows, tid)
+            self.load_query(mQ, sQ, b, tile, tid)
+            row = self.load_row(rows_base, first, mine, 1, tid)
+        for c in cutlass.range(0, chunks, unroll=1):
+            stage = c % STAGES
+            cute.arch.sync_threads()  # chunk c - 1's readers are done; chunk c's V zeros, flags
+            if c + 1 < chunks:
+                nxt = (c + 1) % STAGES
+                self.gather(
+                    mKV,
+                    sKV + nxt * (CHUNK * PITCH),
+                    sLive + nxt * (CHUNK * 4),
+                    bar + 8 * nxt,
+                    row,
+                    mine,
+                    c + 1,
+                    n_rows,
+                    tid,
+                )
+                row = self.load_row(rows_base, first, mine, c + 2, tid)
+            count = min(mine - c * CHUNK, Int32(CHUNK))
+            span = (count + 31) // 32 * 32  # keys the PV steps read
+            ptx.mbarrier_wait(bar + 8 * stage, (c // STAGES) % 2)
+            sKVc = sKV + stage * (CHUNK * PITCH)
+            sLivec = sLive + stage * (CHUNK * 4)
+
+            # ---- QK: warp w < QK_WARPS, keys 8 w .. 8 w + 7 --------------------------
+            s = cute.make_rmem_tensor((4,), Float32)
+            s.fill(0.0)
+            if (warp < QK_WARPS) & (8 * warp < span):
+                parts = cute.make_rmem_tensor((QK_CHAINS, 4), Float32)
+                parts.fill(0.0)
+                for kp in cutlass.range_constexpr(ROW // 64):
+                    k = ptx.ldmatrix_x4(sKVc + b_row * PITCH + 64 * kp + b_col)
+                    for h in cutlass.range_constexpr(2):
+                        ks = 2 * kp + h
+                        a = ptx.ldmatrix_x4(sQ + a_row * PITCH + 32 * ks + a_col)
+                        chain = ks % QK_CHAINS
+                        prev = tuple(parts[chain, e] for e in range(4))
+                        d = ptx.mma_e4m3(a, (k[2 * h], k[2 * h + 1]), prev)
+                        for e in cutlass.range_constexpr(4):
+                            parts[chain, e] = d[e]
+                for e in cutlass.range_constexpr(4):
+                    total = parts[0, e]
+                    for chain in cutlass.range_constexpr(1, QK_CHAINS):
+                        total = total + parts[chain, e]
+                    s[e] = total
+            top = cute.make_rmem_tensor((2,), Float32)
+            top.fill(neg_inf)
+            for e in cutlass.range_constexpr(4):
+                key = 8 * warp + 2 * quarter + e % 2
+                alive = ptx.load_shared_u32(sLivec + 4 * key) != 0
+                value = ptx.where(alive, s[e] * scale_log2, neg_inf)
+                s[e] = value
+                top[e // 2] = cute.arch.fmax(top[e // 2], value)
+            for r in cutlass.range_constexpr(2):
+                for shift in cutlass.range_constexpr(2):
+                    other = cute.arch.shuffle_sync_bfly(top[r], offset=1 << shift)
+                    top[r] = cute.arch.fmax(top[r], other)
+            if (quarter == 0) & (warp < QK_WARPS):
+                ptx.store_shared_f32(sRed + (warp * HEADS + group) * 4, top[0])
+                ptx.store_shared_f32(sRed + (warp * HEADS + group + 8) * 4, top[1])
+            cute.arch.sync_threads()
+            alpha = cute.make_rmem_tensor((2,), Float32)
+            m_new = cute.make_rmem_tensor((2,), Float32)
+            for r in cutlass.range_constexpr(2):
+                chunk_max = ptx.load_shared_f32(sRed + (group + 8 * r) * 4)
+                for w in cutlass.range_constexpr(1, QK_WARPS):
+                    other = ptx.load_shared_f32(sRed + (w * HEADS + group + 8 * r) * 4)
+                    chunk_max = cute.arch.fmax(chunk_max, other)
+                m_new[r] = cute.arch.fmax(m_run[r], chunk_max)
+                rise = cute.math.exp2(m_run[r] - m_new[r], fastmath=True)
+                alpha[r] = ptx.where(m_run[r] != neg_inf, rise, 1.0)
+
+            # ---- P (E4M3 at 448 of the running max) and its FP32 sums ---------------
+            sums = cute.make_rmem_tensor((2,), Float32)
+            sums.fill(0.0)
+            if (warp < QK_WARPS) & (8 * warp < span):
+                for r in cutlass.range_constexpr(2):
+                    # (s - max) first: exactly <= 0, so P <= 448 however large |s| is
+                    # (s - (max - log2 448) can round up by an ulp of s and overflow).
+                    shift = Float32(LOG2_P_SCALE)
+                    p0 = ptx.where(
+                        s[2 * r] != neg_inf,
+                        cute.math.exp2((s[2 * r] - m_new[r]) + shift, fastmath=True),
+                        0.0,
+                    )
+                    p1 = ptx.where(
+                        s[2 * r + 1] != neg_inf,
+                        cute.math.exp2((s[2 * r + 1] - m_new[r]) + shift, fastmath=True),
+                        0.0,
+                    )
+                    sums[r] = p0 + p1
+                    key = 8 * warp + 2 * quarter
+                    ptx.store_e4m3_pair(sP + (group + 8 * r) * P_PITCH + key, p0, p1)
+            for r in cutlass.range_constexpr(2):
+                for shift in cutlass.range_constexpr(2):
+                    sums[r] = sums[r] + cute.arch.shuffle_sync_bfly(sums[r], offset=1 << shift)
+            sRedSum = sRed + QK_WARPS * HEADS * 4
+            if (quarter == 0) & (warp < QK_WARPS):
+                ptx.store_shared_f32(sRedSum + (warp * HEADS + group) * 4, sums[0])
+                ptx.store_shared_f32(sRedSum + (warp * HEADS + group + 8) * 4, sums[1])
+            cute.arch.sync_threads()
+            for r in cutlass.range_constexpr(2):
+                total = ptx.load_shared_f32(sRedSum + (group + 8 * r) * 4)
+                for w in cutlass.range_constexpr(1, QK_WARPS):
+                    total = total + ptx.load_shared_f32(sRedSum + (w * HEADS + group + 8 * r) * 4)
+                l_run[r] = l_run[r] * alpha[r] + total
+                m_run[r] = m_new[r]
+                for j in cutlass.range_constexpr(4):
+                    for e in cutlass.range_constexpr(2):
+                        acc[j, 2 * r + e] = acc[j, 2 * r + e] * alpha[r]
+
+            # ---- PV: warp w, latent columns 32 w .. 32 w + 31 ------------------------
+            col = 32 * warp + 4 * group
+            for ks in cutlass.range_constexpr(CHUNK // 32):
+                if 32 * ks < span:
+                    a = ptx.ldmatrix_x4(sP + a_row * P_PITCH + 32 * ks + a_col)
+                    halves = []
+                    for half in cutlass.range_constexpr(2):
+                        words = []
+                        for i in cutlass.range_constexpr(4):
+                            key = 32 * ks + 16 * half + 4 * quarter + i
+                            words.append(ptx.load_shared_u32(sKVc + key * PITCH + col))
+                        halves.append(transpose4(words))
+                    for j in cutlass.range_constexpr(4):
+                        prev = tuple(acc[j, e] for e in range(4))
+                        d = ptx.mma_e4m3(a, (halves[0][j], halves[1][j]), prev)
+                        for e in cutlass.range_constexpr(4):
+                            acc[j, e] = d[e]
+
+        # ---- push this CTA's partial to the column owners ---------------------------
+        cute.arch.cluster_wait()
+        owner = warp // (COLS // 32)  # columns 32 w .. 32 w + 31
+        remote_inbound = ptx.map_peer(inbound, owner)
+        for r in cutlass.range_constexpr(2):
+            head = group + 8 * r
+            for e in cutlass.range_constexpr(2):
+                # acc[j, 2 r + e]: column 32 w + 8 q + 4 e + j
+                column = 32 * (warp % (COLS // 32)) + 8 * quarter + 4 * e
+                dst = sInbox + ((split * HEADS + head) * COLS + column) * 4
+                values = tuple(acc[j, 2 * r + e] for j in range(4))
+                ptx.push_v4_f32(ptx.map_peer(dst, owner), values, remote_inbound)
+            if (warp == 0) & (quarter == 0):
+                for peer in cutlass.range_constexpr(SPLIT):
+                    peer_inbound = ptx.map_peer(inbound, peer)
+                    m_dst = sStats + ((split * 2 + 0) * HEADS + head) * 4
+                    l_dst = sStats + ((split * 2 + 1) * HEADS + head) * 4
+                    ptx.push_f32(ptx.map_peer(m_dst, peer), m_run[r], peer_inbound)
+                    ptx.push_f32(ptx.map_peer(l_dst, peer), l_run[r], peer_inbound)
+        ptx.mbarrier_wait_cluster(inbound, 0)  # every source's partial of these columns
+        self.merge(mScales, mLatent, mLse, sInbox, sStats, tile, split, b, tid)
+
+    @cute.jit
+    def load_row(self, rows_base, first, mine, c, tid):
+        """Thread tid's row index of chunk c (-1 past this CTA's keys; nothing read there)."""
+        row = Int32(-1)
+        if (tid < CHUNK) & (c * CHUNK + tid < mine):
+            row = ptx.load_global_i32(rows_base + Int64(first + c * CHUNK + tid) * 4)
+        return row
+
+    @cute.jit
+    def gather(self, mKV: cute.Pointer, sKV, sLive, bar, row, mine, c, n_rows, tid):
+        """Chunk c's cache rows into sKV (bulk copies on ``bar``; thread t < CHUNK: key t).
+
+        Skipped keys (out of range) and key slots past the chunk's count up to a 32-key step
+        get a zero V row; every slot arrives on ``bar`` (copies with their row's bytes)."""
+        count = min(mine - c * CHUNK, Int32(CHUNK))
+        span = (count + 31) // 32 * 32
+        live = (tid < count) & (row >= 0) & (row < n_rows)
+        if live:
+            ptx.mbarrier_arrive_expect_tx(bar, ROW)
+            ptx.copy_g2s(sKV + tid * PITCH, mKV.toint() + Int64(row) * ROW, ROW, bar)
+        elif tid < CHUNK:
+            if tid < span:
+                # V of a skipped or absent key: zero (its P is zero; stale bytes may be NaN).
+                for k in cutlass.range_constexpr(LATENT // 16):
+                    ptx.store_shared_v4(sKV + tid * PITCH + 16 * k, 0, 0, 0, 0)
+                ptx.fence_proxy_async_shared()  # before a later chunk's bulk copy here
+            ptx.mbarrier_arrive(bar)
+        if tid < CHUNK:
+            ptx.store_shared_u32(sLive + 4 * tid, Int32(live))
+
+    @cute.jit
+    def load_query(self, mQ: cute.Pointer, sQ, b, tile, tid):
+        """The 16 query rows of this tile into shared memory (generic 16-byte loads)."""
+        pieces = ROW // 16
+        q_base = mQ.toint() + Int64(b * self.heads + tile * HEADS) * ROW
+        for i in cutlass.range_constexpr(-(-HEADS * pieces // THREADS)):
+            flat = tid + THREADS * i
+            if flat < HEADS * pieces:
+                q_row, piece = flat // pieces, flat % pieces
+                w = ptx.load_global_v4(q_base + Int64(q_row * ROW + 16 * piece))
+                ptx.store_shared_v4(sQ + q_row * PITCH + 16 * piece, w[0], w[1], w[2], w[3])
+
+    @cute.jit
+    def merge(
+        self,
+        mScales: cute.Pointer,
+        mLatent: cute.Pointer,
+        mLse: cute.Pointer,
+        sInbox,
+        sStats,
+        tile,
+        split,
+        b,
+        tid,
+    ):
+        """Columns split * COLS .. + COLS of the 16 heads over the cluster's FP32 partials:
+        thread t takes head t // 32, 4 columns."""
+        out_scale = ptx.load_global_f32(mScales.toint() + 4)
+        neg_inf = Float32(-math.inf)
+        head, lane = tid // 32, tid % 32
+        top = neg_inf
+        for c in cutlass.range_constexpr(SPLIT):
+            top = cute.arch.fmax(top, ptx.load_shared_f32(sStats + ((c * 2) * HEADS + head) * 4))
+        total = Float32(0.0)
+        merged = cute.make_rmem_tensor((4,), Float32)
+        merged.fill(0.0)
+        for c in cutlass.range_constexpr(SPLIT):
+            maximum = ptx.load_shared_f32(sStats + ((c * 2) * HEADS + head) * 4)
+            partial_sum = ptx.load_shared_f32(sStats + ((c * 2 + 1) * HEADS + head) * 4)
+            rise = cute.math.exp2(maximum - top, fastmath=True)
+            weight = ptx.where(maximum != neg_inf, rise, 0.0)
+            total = total + weight * partial_sum
+            row = ptx.load_shared_v4_f32(sInbox + ((c * HEADS + head) * COLS + 4 * lane) * 4)
+            for e in cutlass.range_constexpr(4):
+                merged[e] = merged[e] + weight * row[e]
+        nonempty = total > Float32(0.0)
+        lse2 = ptx.where(
+            nonempty, top - Float32(LOG2_P_SCALE) + cute.math.log2(total, fastmath=False), neg_inf
+        )
+        inverse = ptx.where(nonempty, out_scale / total, 0.0)
+        gh = b * self.heads + tile * HEADS + head
+        col = split * COLS + 4 * lane
+        w0 = ptx.bf16x2(merged[0] * inverse, merged[1] * inverse)
+        w1 = ptx.bf16x2(merged[2] * inverse, merged[3] * inverse)
+        ptx.store_global_v2(mLatent.toint() + (Int64(gh) * LATENT + col) * 2, w0, w1)
+        if (split == 0) & (lane == 0):
+            ptx.store_global_f32(mLse.toint() + Int64(gh) * 4, lse2 * Float32(LN2))

@@ -1,0 +1,126 @@
+"""Launch a sparse decode cubin with the CUDA driver API (cuda.bindings), for GPU tests.
+
+Loads the cubin with cuModuleLoadData, opts in to its dynamic shared memory, and launches
+with cuLaunchKernelEx: cluster dims and the PDL attribute (programmatic stream
+serialization), as the FFI handler does. Buffers are plain cuMemAlloc allocations.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+from cuda.bindings import driver as cu
+
+
+def check(result):
+    """Unwrap a cuda.bindings (err, *values) tuple, raising on an error."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        name = cu.cuGetErrorName(err)[1]
+        raise RuntimeError(f"CUDA driver error {err}: {name}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+class Context:
+    """The device's primary context, current on this thread."""
+
+    def __init__(self, ordinal: int = 0):
+        check(cu.cuInit(0))
+        self.device = check(cu.cuDeviceGet(ordinal))
+        self.context = check(cu.cuDevicePrimaryCtxRetain(self.device))
+        check(cu.cuCtxSetCurrent(self.context))
+        self.stream = check(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+
+    def synchronize(self) -> None:
+        check(cu.cuStreamSynchronize(self.stream))
+
+
+class Buffer:
+    """A device allocation holding a copy of a numpy array (or of its shape and dtype)."""
+
+    def __init__(self, array: np.ndarray, *, upload: bool = True):
+        self.shape, self.dtype = array.shape, array.dtype
+        self.nbytes = max(int(array.nbytes), 16)
+        self.ptr = check(cu.cuMemAlloc(self.nbytes))
+        if upload and array.nbytes:
+            host = np.ascontiguousarray(array)
+            check(cu.cuMemcpyHtoD(self.ptr, host.ctypes.data, host.nbytes))
+
+    @property
+    def address(self) -> int:
+        return int(self.ptr)
+
+    def fill(self, byte: int) -> None:
+        check(cu.cuMemsetD8(self.ptr, byte, self.nbytes))
+
+    def download(self) -> np.ndarray:
+        out = np.empty(self.shape, self.dtype)
+        if out.nbytes:
+            check(cu.cuMemcpyDtoH(out.ctypes.data, self.ptr, out.nbytes))
+        return out
+
+    def free(self) -> None:
+        check(cu.cuMemFree(self.ptr))
+
+
+class CubinKernel:
+    """One sparse decode cubin, launchable on a Context's stream."""
+
+    def __init__(self, cubin: bytes, meta: dict):
+        self.meta = meta
+        self.module = check(cu.cuModuleLoadData(cubin))
+        self.function = check(cu.cuModuleGetFunction(self.module, meta["kernel_name"].encode()))
+        attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        check(cu.cuFuncSetAttribute(self.function, attribute, meta["smem_bytes"]))
+
+    def launch(self, stream, pointers: list[int], n_rows: int) -> None:
+        """Launch with the ABI's seven device pointers and n_rows."""
+        meta = self.meta
+        config = cu.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = meta["grid"]
+        config.blockDimX, config.blockDimY, config.blockDimZ = meta["block"]
+        config.sharedMemBytes = meta["smem_bytes"]
+        config.hStream = stream
+        cluster = cu.CUlaunchAttribute()
+        cluster.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+        dims = cluster.value.clusterDim
+        dims.x, dims.y, dims.z = meta["cluster"]
+        pdl = cu.CUlaunchAttribute()
+        pdl.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        pdl.value.programmaticStreamSerializationAllowed = 1
+        config.attrs = [cluster, pdl]
+        config.numAttrs = 2
+        values = (*pointers, n_rows)
+        types = (ctypes.c_void_p,) * len(pointers) + (ctypes.c_int,)
+        check(cu.cuLaunchKernelEx(config, self.function, (values, types), 0))
+
+
+def run_decode(context: Context, kernel: CubinKernel, q, kv, rows, valid, scales):
+    """Run one decode: numpy q [B, Hp, 576] / kv [N, 576] (FP8), rows [B, K], valid [B],
+    scales [2] -> latent [B, Hp, 512] (uint16 BF16 bits), lse [B, Hp] float32.
+
+    The outputs are pre-filled with 0xFF bytes (NaN) so that unwritten elements show."""
+    batch, heads, _ = q.shape
+    n_rows = kv.shape[0]
+    inputs = [
+        Buffer(q.view(np.uint8)),
+        Buffer(kv.view(np.uint8)),
+        Buffer(rows.astype(np.int32)),
+        Buffer(valid.astype(np.int32)),
+        Buffer(scales.astype(np.float32)),
+    ]
+    latent = Buffer(np.empty((batch, heads, 512), np.uint16), upload=False)
+    lse = Buffer(np.empty((batch, heads), np.float32), upload=False)
+    latent.fill(0xFF)
+    lse.fill(0xFF)
+    buffers = [*inputs, latent, lse]
+    try:
+        kernel.launch(context.stream, [buf.address for buf in buffers], n_rows)
+        context.synchronize()
+        return latent.download(), lse.download()
+    finally:
+        for buf in buffers:
+            buf.free()

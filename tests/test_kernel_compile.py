@@ -1,0 +1,118 @@
+"""The kernel compiles on a CPU-only machine to an sm_90a cubin with the contract's ABI.
+
+Checks the SASS (cuobjdump from the nvidia-cuda-cuobjdump wheel): tensor-core MMAs (HMMA,
+E4M3 widened by F2FP), bulk copies (UBLKCP), cluster stores (STAS), no local-memory
+spills (LDL/STL), registers within 128 (512 threads); and the disk cache / AOT command.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import subprocess
+
+import pytest
+
+pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
+
+from jax_sparse_mla import aot
+from jax_sparse_mla.kernel import KernelConfig, KernelUnavailableError, compile
+from jax_sparse_mla.kernel.config import PARAMS, SMEM_BYTES
+
+CONFIG = KernelConfig(batch=5, heads=32, width=2048)
+
+
+def _cuobjdump() -> str:
+    import nvidia
+
+    for root in nvidia.__path__:
+        for path in pathlib.Path(root).glob("*/bin/cuobjdump"):
+            return str(path)
+    pytest.skip("cuobjdump (nvidia-cuda-cuobjdump) not installed")
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("cubins")
+
+
+@pytest.fixture(scope="module")
+def compiled(cache_dir):
+    return compile.get_kernel(CONFIG, cache_dir=cache_dir)
+
+
+@pytest.fixture(scope="module")
+def cubin_path(compiled, cache_dir):
+    path = cache_dir / "kernel.cubin"
+    path.write_bytes(compiled.cubin)
+    return path
+
+
+def test_meta_matches_abi(compiled):
+    meta = compiled.meta
+    assert meta["params"] == list(PARAMS)
+    assert meta["grid"] == [CONFIG.heads // 16 * 4, CONFIG.batch, 1]
+    assert meta["block"] == [512, 1, 1] and meta["cluster"] == [4, 1, 1]
+    assert meta["arch"] == "sm_90a" and meta["smem_bytes"] == SMEM_BYTES <= 227 * 1024
+    assert meta["config"] == {"batch": 5, "heads": 32, "width": 2048}
+    assert compiled.cubin[:4] == b"\x7fELF"
+    assert meta["kernel_name"].encode() in compiled.cubin
+
+
+def test_entry_params_parse():
+    ptx = ".visible .entry k(\n .param .u64 .ptr .global .align 16 k_param_0,\n .param .u32 k_p1\n)"
+    assert compile.parse_entry(ptx) == ("k", ["u64", "u32"])
+
+
+def test_sass(cubin_path):
+    tool = _cuobjdump()
+    sass = subprocess.run(
+        [tool, "--dump-sass", str(cubin_path)], capture_output=True, text=True, check=True
+    ).stdout
+    assert "sm_90a" in sass
+    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass, re.M)
+    counts = {}
+    for op in ops:
+        counts[op.split(".")[0]] = counts.get(op.split(".")[0], 0) + 1
+    # QK: 18 k-steps, PV: 4 steps x 4 n-tiles; each m16n8k32 E4M3 MMA is two HMMA.16816.
+    assert counts.get("HMMA", 0) == 2 * (18 + 4 * 4), counts.get("HMMA")
+    assert counts.get("F2FP", 0) > 0  # E4M3 -> F16 unpack and the P / BF16 packing
+    assert counts.get("UBLKCP", 0) >= 1  # cp.async.bulk gathers
+    assert counts.get("STAS", 0) >= 1  # st.async pushes over DSMEM
+    assert counts.get("LDSM", 0) >= 1
+    assert "LDL" not in counts and "STL" not in counts, "local-memory spills"
+    usage = subprocess.run(
+        [tool, "--dump-resource-usage", str(cubin_path)], capture_output=True, text=True
+    ).stdout
+    registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    assert registers <= 128 and "STACK:0" in usage and "LOCAL:0" in usage, usage
+
+
+def test_disk_cache_hit(compiled, cache_dir, monkeypatch):
+    def fail(*args):
+        raise AssertionError("compiled again despite a disk cache entry")
+
+    monkeypatch.setattr(compile, "compile_kernel", fail)
+    again = compile.get_kernel(CONFIG, cache_dir=cache_dir)
+    assert again.cubin == compiled.cubin and again.meta == compiled.meta
+    # Without the DSL, an entry of any DSL version is accepted.
+    monkeypatch.setattr(compile, "dsl_version", lambda: None)
+    assert compile.get_kernel(CONFIG, cache_dir=cache_dir).cubin == compiled.cubin
+
+
+def test_unavailable_without_dsl(tmp_path, monkeypatch):
+    monkeypatch.setattr(compile, "dsl_version", lambda: None)
+    with pytest.raises(KernelUnavailableError, match=r"jax_sparse_mla\.aot"):
+        compile.get_kernel(KernelConfig(1, 16, 64), cache_dir=tmp_path)
+
+
+def test_aot_command(tmp_path, capsys):
+    assert aot.main(["--arch", "sm_90a", "--out", str(tmp_path), "--config", "2,20,64"]) == 0
+    assert "b2-h32-k64" in capsys.readouterr().out  # 20 heads pad to 32
+    (meta_path,) = tmp_path.glob("b2-h32-k64-*.json")
+    meta = json.loads(meta_path.read_text())
+    assert meta["fingerprint"] == compile.source_fingerprint()
+    assert meta_path.with_suffix(".cubin").read_bytes()[:4] == b"\x7fELF"
+    assert aot.CASES["latency-h96"] == (5, 96, 2048)
+    assert aot.config_for(*aot.CASES["throughput"]) == KernelConfig(64, 128, 2048)
