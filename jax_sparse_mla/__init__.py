@@ -4,6 +4,7 @@ context parallelism, backed by a Hopper CuTe DSL kernel and a pure-jnp reference
 Public API: ``decode``, ``dcp_decode``, ``local_rows``, ``merge_partials``, ``reference``.
 """
 
+from jax_sparse_mla import cuda_lowering as cuda_lowering  # registers the kernel lowering
 from jax_sparse_mla import reference
 from jax_sparse_mla.dcp import FILL_ROW, dcp_decode, local_rows
 from jax_sparse_mla.merge import merge_partials

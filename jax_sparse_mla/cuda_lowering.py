@@ -1,0 +1,214 @@
+"""CUDA lowering of ``sparse_mla_decode_p``: an XLA FFI custom call that launches the kernel.
+
+The lowering picks the cubin for the static config (B, Hp, K from the operand shapes) with
+``kernel.compile.get_kernel`` and emits a typed-FFI custom call to ``FFI_TARGET`` whose
+attributes carry the cubin bytes (a ``u8`` array, so NUL bytes survive) and the launch
+metadata. A lowered, exported or persistently cached executable is therefore self-contained;
+the handler library (``ffi/sparse_mla_ffi.cc``, installed as
+``jax_sparse_mla/_ffi/libsparse_mla_ffi.so``) loads the cubin once per executable and
+launches it with cuLaunchKernelEx (cluster dims, dynamic shared memory, PDL).
+
+Importing the package registers the FFI target when the handler library is installed (a
+process that only runs a deserialized ``jax.export`` artifact needs nothing more than
+``import jax_sparse_mla``); ``jax.export`` needs ``export_disabled_checks()`` to accept the
+custom call.
+
+Where the kernel cannot run (a CUDA GPU that is not Hopper, no cubin available, no handler
+library), ``require_kernel=False`` lowers to the reference after one ``logging.warning`` and
+``require_kernel=True`` (``implementation="cute"``) raises NotImplementedError with the reason.
+Lowering for CUDA on a machine without a CUDA GPU (``lowering_platforms=("cuda",)``,
+``jax.export``) assumes a Hopper target.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import pathlib
+import sys
+import threading
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.interpreters import mlir
+
+import jax_sparse_mla
+from jax_sparse_mla import primitive
+from jax_sparse_mla.kernel import compile as kernel_compile
+from jax_sparse_mla.kernel.config import PARAMS, KernelConfig, KernelUnavailableError
+
+FFI_TARGET = "jax_sparse_mla_decode"
+"""Name of the custom call target (registered for the CUDA platform)."""
+
+STATE_TYPE = "jax_sparse_mla_decode_state"
+LIBRARY_NAME = "libsparse_mla_ffi.so"
+LIBRARY_ENV = "JAX_SPARSE_MLA_FFI_LIBRARY"
+"""Environment variable naming the handler library explicitly (overrides the search)."""
+
+HOPPER = "9.0"
+
+log = logging.getLogger("jax_sparse_mla")
+_REGISTER_LOCK = threading.Lock()
+_registered_library: pathlib.Path | None = None
+
+
+def find_library() -> pathlib.Path:
+    """Path of the handler library: $JAX_SPARSE_MLA_FFI_LIBRARY, else inside the package.
+
+    The package directory is searched in ``jax_sparse_mla.__path__`` and in every
+    ``sys.path`` entry, which also finds the library of an editable install (built into
+    site-packages while the Python sources stay in the checkout).
+    """
+    explicit = os.environ.get(LIBRARY_ENV)
+    if explicit:
+        path = pathlib.Path(explicit)
+        if not path.is_file():
+            raise FileNotFoundError(f"{LIBRARY_ENV}={explicit} is not a file")
+        return path
+    candidates = [pathlib.Path(d) / "_ffi" / LIBRARY_NAME for d in jax_sparse_mla.__path__]
+    candidates += [
+        pathlib.Path(entry) / "jax_sparse_mla" / "_ffi" / LIBRARY_NAME
+        for entry in sys.path
+        if entry
+    ]
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise FileNotFoundError(
+        f"the XLA FFI handler {LIBRARY_NAME} is not installed: build it with "
+        "`pip install .` (needs a C++ compiler) or point "
+        f"{LIBRARY_ENV} at a built copy"
+    )
+
+
+def register_ffi_target() -> pathlib.Path:
+    """Registers the FFI target and its state type for CUDA (once); returns the library path."""
+    global _registered_library
+    with _REGISTER_LOCK:
+        if _registered_library is not None:
+            return _registered_library
+        path = find_library()
+        library = ctypes.CDLL(str(path))
+        for name in ("JaxSparseMlaDecodeStateTypeId", "JaxSparseMlaDecodeStateTypeInfo"):
+            getattr(library, name).restype = ctypes.c_void_p
+        jax.ffi.register_ffi_type(
+            STATE_TYPE,
+            {
+                "type_id": jax.ffi.pycapsule(library.JaxSparseMlaDecodeStateTypeId()),
+                "type_info": jax.ffi.pycapsule(library.JaxSparseMlaDecodeStateTypeInfo()),
+            },
+            platform="CUDA",
+        )
+        jax.ffi.register_ffi_target(
+            FFI_TARGET,
+            {
+                "instantiate": jax.ffi.pycapsule(library.JaxSparseMlaDecodeInstantiate),
+                "execute": jax.ffi.pycapsule(library.JaxSparseMlaDecodeExecute),
+            },
+            platform="CUDA",
+        )
+        _registered_library = path
+        return path
+
+
+def export_disabled_checks() -> tuple[jax.export.DisabledSafetyCheck, ...]:
+    """The ``disabled_checks`` that let ``jax.export`` serialize the kernel's custom call."""
+    return (jax.export.DisabledSafetyCheck.custom_call(FFI_TARGET),)
+
+
+def kernel_attributes(kernel: kernel_compile.CompiledKernel) -> dict[str, object]:
+    """The custom call's attributes: the cubin bytes and its launch metadata."""
+    meta = kernel.meta
+    return {
+        "cubin": np.frombuffer(kernel.cubin, dtype=np.uint8),
+        "kernel_name": str(meta["kernel_name"]),
+        "grid": np.asarray(meta["grid"], dtype=np.int64),
+        "block": np.asarray(meta["block"], dtype=np.int64),
+        "cluster": np.asarray(meta["cluster"], dtype=np.int64),
+        "smem_bytes": np.int64(meta["smem_bytes"]),
+    }
+
+
+@functools.cache
+def _local_cuda_capabilities() -> tuple[str, ...] | None:
+    """Compute capabilities of this process's CUDA devices; None when it has none."""
+    try:
+        devices = jax.devices("cuda")
+    except RuntimeError:
+        return None
+    return tuple(sorted({str(getattr(d, "compute_capability", "?")) for d in devices}))
+
+
+def _check_meta(kernel: kernel_compile.CompiledKernel, config: KernelConfig) -> None:
+    meta = kernel.meta
+    expected = {
+        "grid": list(config.grid),
+        "block": list(config.block),
+        "cluster": list(config.cluster),
+        "params": list(PARAMS),
+    }
+    seen = {key: list(meta.get(key, ())) for key in expected}
+    if seen != expected:
+        raise RuntimeError(f"cubin metadata for {config} does not match the ABI: {seen=}")
+
+
+def _kernel_or_reason(avals: Sequence[jax.core.ShapedArray]):
+    """(CompiledKernel, None) when the kernel can run these shapes, else (None, reason)."""
+    q, kv, rows = avals[0], avals[1], avals[2]
+    batch, heads, _ = q.shape
+    capabilities = _local_cuda_capabilities()
+    if capabilities is not None and capabilities != (HOPPER,):
+        return None, f"the kernel needs Hopper (sm_90) GPUs; this process has {capabilities}"
+    if kv.shape[0] >= 2**31:
+        return None, f"the kernel indexes kv rows with int32; {kv.shape=}"
+    try:
+        register_ffi_target()
+    except (FileNotFoundError, OSError) as err:
+        return None, str(err)
+    config = KernelConfig(batch=batch, heads=heads, width=rows.shape[1])
+    try:
+        kernel = kernel_compile.get_kernel(config)
+    except (KernelUnavailableError, ImportError) as err:
+        return None, f"no cubin for {config}: {err}"
+    _check_meta(kernel, config)
+    return kernel, None
+
+
+@functools.cache
+def _warn_fallback(reason: str) -> None:
+    log.warning("jax_sparse_mla.decode: using the reference on CUDA: %s", reason)
+
+
+def _cuda_lowering(ctx, q, kv, rows, valid, scales, *, require_kernel):
+    avals = ctx.avals_in
+    if any(size == 0 for aval in avals[:3] for size in aval.shape):
+        # Nothing to launch: empty outputs, or no keys at all (zeros and -inf).
+        return primitive.reference_lowering(
+            ctx, q, kv, rows, valid, scales, require_kernel=require_kernel
+        )
+    kernel, reason = _kernel_or_reason(avals)
+    if kernel is None:
+        if require_kernel:
+            raise NotImplementedError(f"implementation='cute' cannot use the kernel: {reason}")
+        _warn_fallback(reason)
+        return primitive.reference_lowering(
+            ctx, q, kv, rows, valid, scales, require_kernel=require_kernel
+        )
+    rule = jax.ffi.ffi_lowering(FFI_TARGET)
+    return rule(ctx, q, kv, rows, valid, scales, **kernel_attributes(kernel))
+
+
+mlir.register_lowering(primitive.sparse_mla_decode_p, _cuda_lowering, platform="cuda")
+
+
+def _register_if_installed() -> None:
+    try:
+        register_ffi_target()
+    except (FileNotFoundError, OSError) as err:  # the lowering reports it if the kernel is used
+        log.debug("jax_sparse_mla: FFI handler not registered: %s", err)
+
+
+_register_if_installed()

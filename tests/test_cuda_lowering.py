@@ -1,0 +1,225 @@
+"""The CUDA lowering, checked on a CPU machine: the custom call, its cubin attribute, export.
+
+A fake cubin holding every byte value (NULs included) stands in for the kernel where the test
+is about the plumbing; one test uses the real kernel when it can be compiled or is cached.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src.interpreters import mlir as jax_mlir
+from jax._src.lib import xla_client
+from jax._src.lib.mlir import ir
+
+import jax_sparse_mla
+from jax_sparse_mla import cuda_lowering
+from jax_sparse_mla.kernel import compile as kernel_compile
+from jax_sparse_mla.kernel.config import PARAMS, KernelConfig, KernelUnavailableError
+
+B, H, K, N = 5, 20, 64, 1000  # H pads to 32 heads
+HP = 32
+FAKE_CUBIN = b"\x7fELF\x00\x00\x00" + bytes(range(256)) * 3 + b"\x00"
+
+
+def _fake_kernel(config: KernelConfig) -> kernel_compile.CompiledKernel:
+    meta = {
+        "kernel_name": "fake_entry",
+        "grid": list(config.grid),
+        "block": list(config.block),
+        "cluster": list(config.cluster),
+        "smem_bytes": 123456,
+        "params": list(PARAMS),
+        "config": {"batch": config.batch, "heads": config.heads, "width": config.width},
+    }
+    return kernel_compile.CompiledKernel(FAKE_CUBIN, meta)
+
+
+def _args():
+    return (
+        jax.ShapeDtypeStruct((B, H, 576), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((N, 576), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((B, K), jnp.int32),
+        jax.ShapeDtypeStruct((B,), jnp.int32),
+    )
+
+
+def _decode(implementation):
+    def fn(q, kv, rows, valid):
+        return jax_sparse_mla.decode(
+            q, kv, rows, valid, softmax_scale=0.1, kv_scale=0.5, implementation=implementation
+        )
+
+    return jax.jit(fn)
+
+
+def _cuda_text(implementation) -> str:
+    lowered = _decode(implementation).trace(*_args()).lower(lowering_platforms=("cuda",))
+    return lowered.as_text()
+
+
+def _custom_call_attributes(module_text: str) -> list[dict[str, object]]:
+    """The attributes of every custom call to our target, decoded from the MLIR text."""
+    found = []
+    with jax_mlir.make_ir_context():
+        module = ir.Module.parse(module_text)
+
+        def visit(op):
+            attrs = op.operation.attributes
+            if (
+                op.operation.name == "stablehlo.custom_call"
+                and ir.StringAttr(attrs["call_target_name"]).value == cuda_lowering.FFI_TARGET
+            ):
+                config = ir.DictAttr(attrs["mhlo.backend_config"])
+                found.append(
+                    {
+                        "cubin": np.asarray(ir.DenseElementsAttr(config["cubin"])),
+                        "kernel_name": ir.StringAttr(config["kernel_name"]).value,
+                        "grid": list(np.asarray(ir.DenseElementsAttr(config["grid"]))),
+                        "block": list(np.asarray(ir.DenseElementsAttr(config["block"]))),
+                        "cluster": list(np.asarray(ir.DenseElementsAttr(config["cluster"]))),
+                        "smem_bytes": ir.IntegerAttr(config["smem_bytes"]).value,
+                        "smem_type": str(ir.IntegerAttr(config["smem_bytes"]).type),
+                    }
+                )
+            return ir.WalkResult.ADVANCE
+
+        module.operation.walk(visit)
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _fresh_lowering(monkeypatch):
+    """Every test lowers anew, sees a Hopper-less CPU process and a fresh warning log."""
+    jax.clear_caches()
+    cuda_lowering._warn_fallback.cache_clear()
+    monkeypatch.setattr(cuda_lowering, "_local_cuda_capabilities", lambda: None)
+    yield
+    jax.clear_caches()
+
+
+@pytest.fixture
+def fake_kernel(monkeypatch):
+    monkeypatch.setattr(kernel_compile, "get_kernel", _fake_kernel)
+
+
+def test_lowering_emits_custom_call_with_cubin(fake_kernel):
+    text = _cuda_text("cute")
+    (attrs,) = _custom_call_attributes(text)
+    config = KernelConfig(batch=B, heads=HP, width=K)
+    assert attrs["cubin"].dtype == np.uint8
+    assert attrs["cubin"].tobytes() == FAKE_CUBIN
+    assert attrs["kernel_name"] == "fake_entry"
+    assert attrs["grid"] == list(config.grid) == [HP // 16 * 4, B, 1]
+    assert attrs["block"] == [512, 1, 1]
+    assert attrs["cluster"] == [4, 1, 1]
+    assert (attrs["smem_bytes"], attrs["smem_type"]) == (123456, "i64")
+    # The operands are the padded primitive's: q [B, 32, 576], results [B, 32, 512] / [B, 32].
+    assert f"tensor<{B}x{HP}x576xf8E4M3FN>" in text
+    assert f"-> (tensor<{B}x{HP}x512xbf16>, tensor<{B}x{HP}xf32>)" in text
+
+
+def test_default_implementation_uses_kernel_on_cuda(fake_kernel):
+    assert len(_custom_call_attributes(_cuda_text(None))) == 1
+
+
+def test_cpu_lowering_has_no_custom_call(fake_kernel):
+    lowered = _decode(None).trace(*_args()).lower(lowering_platforms=("cpu",))
+    assert cuda_lowering.FFI_TARGET not in lowered.as_text()
+
+
+def test_export_roundtrips_cubin_bytes(fake_kernel):
+    exported = jax.export.export(
+        _decode("cute"), platforms=("cuda",), disabled_checks=cuda_lowering.export_disabled_checks()
+    )(*_args())
+    restored = jax.export.deserialize(exported.serialize())
+    assert restored.platforms == ("cuda",)
+    (attrs,) = _custom_call_attributes(restored.mlir_module())
+    assert attrs["cubin"].tobytes() == FAKE_CUBIN
+    assert attrs["cubin"].tobytes().count(0) == FAKE_CUBIN.count(0) > 3
+    assert attrs["kernel_name"] == "fake_entry"
+
+
+def test_export_without_disabled_check_is_refused(fake_kernel):
+    with pytest.raises(ValueError, match=cuda_lowering.FFI_TARGET):
+        jax.export.export(_decode("cute"), platforms=("cuda",))(*_args())
+
+
+def test_export_real_kernel_roundtrips():
+    config = KernelConfig(batch=B, heads=HP, width=K)
+    try:
+        kernel = kernel_compile.get_kernel(config)
+    except KernelUnavailableError as err:
+        pytest.skip(f"no cubin on this machine: {err}")
+    assert kernel.cubin[:4] == b"\x7fELF" and 0 in kernel.cubin
+    exported = jax.export.export(
+        _decode("cute"), platforms=("cuda",), disabled_checks=cuda_lowering.export_disabled_checks()
+    )(*_args())
+    (attrs,) = _custom_call_attributes(jax.export.deserialize(exported.serialize()).mlir_module())
+    assert attrs["cubin"].tobytes() == kernel.cubin
+    assert attrs["kernel_name"] == kernel.meta["kernel_name"]
+    assert attrs["smem_bytes"] == kernel.meta["smem_bytes"]
+
+
+def _unavailable(config):
+    raise KernelUnavailableError(f"no cubin for {config.slug} (test)")
+
+
+def test_no_cubin_falls_back_to_reference_with_one_warning(monkeypatch, caplog):
+    monkeypatch.setattr(kernel_compile, "get_kernel", _unavailable)
+    with caplog.at_level(logging.WARNING, logger="jax_sparse_mla"):
+        text = _cuda_text(None)
+        jax.clear_caches()
+        _cuda_text(None)
+    assert cuda_lowering.FFI_TARGET not in text
+    warnings = [r for r in caplog.records if "using the reference on CUDA" in r.getMessage()]
+    assert len(warnings) == 1 and "no cubin" in warnings[0].getMessage()
+
+
+def test_no_cubin_with_cute_raises(monkeypatch):
+    monkeypatch.setattr(kernel_compile, "get_kernel", _unavailable)
+    with pytest.raises(NotImplementedError, match="no cubin"):
+        _cuda_text("cute")
+
+
+def test_non_hopper_gpu(monkeypatch, fake_kernel, caplog):
+    monkeypatch.setattr(cuda_lowering, "_local_cuda_capabilities", lambda: ("8.0",))
+    with pytest.raises(NotImplementedError, match="Hopper"):
+        _cuda_text("cute")
+    jax.clear_caches()
+    with caplog.at_level(logging.WARNING, logger="jax_sparse_mla"):
+        assert cuda_lowering.FFI_TARGET not in _cuda_text(None)
+    assert any("Hopper" in r.getMessage() for r in caplog.records)
+
+
+def test_reference_implementation_never_uses_kernel(fake_kernel):
+    assert cuda_lowering.FFI_TARGET not in _cuda_text("reference")
+
+
+def _has_cuda_backend() -> bool:
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
+def test_handler_library_loads_and_registers():
+    path = cuda_lowering.register_ffi_target()
+    library = ctypes.CDLL(str(path))
+    for symbol in (
+        "JaxSparseMlaDecodeInstantiate",
+        "JaxSparseMlaDecodeExecute",
+        "JaxSparseMlaDecodeStateTypeId",
+        "JaxSparseMlaDecodeStateTypeInfo",
+    ):
+        assert getattr(library, symbol) is not None
+    # Registered: with a CUDA backend, straight into XLA; without one, queued by jaxlib
+    # for the CUDA plugin.
+    pending = [name for name, *_ in xla_client._custom_callback.get("CUDA", [])]
+    assert _has_cuda_backend() or cuda_lowering.FFI_TARGET in pending
+    assert cuda_lowering.register_ffi_target() == path  # idempotent
