@@ -1,0 +1,82 @@
+"""GPU kernel times of a jitted function, read from JAX's profiler (CUPTI activity records).
+
+A microsecond kernel cannot be timed from the host: a jitted call's dispatch alone costs tens
+of microseconds. Instead each call runs under the profiler, with the host waiting for the
+device and pausing between calls, and the device events (kernels, copies) that the profiler
+records are split into calls at the idle gaps. Per call we report the sum of the kernels'
+durations ("kernel time") and the span from the first kernel's start to the last one's end
+("span", which adds the gaps between a multi-kernel call's kernels).
+"""
+
+from __future__ import annotations
+
+import glob
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+
+import jax
+from jax.profiler import ProfileData
+
+GAP_NS = 40_000  # the host sleeps 200 us between calls; kernels of one call are closer
+
+
+@dataclass
+class CallTimes:
+    kernel_us: list[float]  # per call: sum of kernel durations
+    span_us: list[float]  # per call: first start to last end
+    names: list[str]  # distinct kernel names seen
+
+    def summary(self, values: list[float]) -> dict[str, float]:
+        ordered = sorted(values)
+        pick = lambda f: ordered[min(len(ordered) - 1, int(f * len(ordered)))]  # noqa: E731
+        return {"median": statistics.median(values), "p10": pick(0.1), "p90": pick(0.9)}
+
+
+def _device_events(xspace_path: str):
+    data = ProfileData.from_file(xspace_path)
+    events = []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            # Stream lines hold the kernels; XLA's op/module lines would double count.
+            if not line.name.startswith("Stream"):
+                continue
+            events.extend((e.start_ns, e.end_ns, e.name) for e in line.events)
+    return sorted(events)
+
+
+def profile_calls(fn, args, calls: int) -> CallTimes:
+    """Run ``fn(*args)`` ``calls`` times under the profiler; return per-call device times."""
+    jax.block_until_ready(fn(*args))  # compile and warm up outside the trace
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as logdir:
+        jax.profiler.start_trace(logdir)
+        try:
+            for _ in range(calls):
+                jax.block_until_ready(fn(*args))
+                time.sleep(200e-6)
+        finally:
+            jax.profiler.stop_trace()
+        (path,) = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
+        events = _device_events(path)
+    if not events:
+        raise RuntimeError("the profiler recorded no GPU events (is this a GPU run?)")
+    groups, current, last_end = [], [], None
+    for start, end, name in events:
+        if last_end is not None and start - last_end > GAP_NS:
+            groups.append(current)
+            current = []
+        current.append((start, end, name))
+        last_end = end if last_end is None else max(last_end, end)
+    groups.append(current)
+    if len(groups) != calls:
+        raise RuntimeError(
+            f"expected {calls} calls' device events separated by idle gaps, found {len(groups)}"
+        )
+    kernel_us = [sum(e - s for s, e, _ in g) / 1e3 for g in groups]
+    span_us = [(max(e for _, e, _ in g) - g[0][0]) / 1e3 for g in groups]
+    names = sorted({n for _, _, n in events})
+    return CallTimes(kernel_us, span_us, names)
