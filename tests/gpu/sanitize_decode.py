@@ -1,0 +1,38 @@
+"""Kernel launches for compute-sanitizer (memcheck, racecheck, synccheck) via jax.jit.
+
+    compute-sanitizer --tool memcheck --kernel-name regex:SparseDecode \\
+        python3 tests/gpu/sanitize_decode.py
+
+Covers empty rows, counts below 0 and above K, out-of-range and boundary rows, duplicates,
+and garbage past each count, on a small cache so that a stray read would leave it.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jax_sparse_mla
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    for batch, heads, width in ((4, 20, 64), (5, 96, 2048)):
+        cache_rows = 300
+        q = jnp.asarray(rng.standard_normal((batch, heads, 576)), jnp.float8_e4m3fn)
+        kv = jnp.asarray(rng.standard_normal((cache_rows, 576)), jnp.float8_e4m3fn)
+        rows = rng.integers(0, cache_rows, (batch, width)).astype(np.int32)
+        rows[0, :6] = [-1, cache_rows, 2**31 - 1, -(2**31), cache_rows - 1, 0]
+        rows[1, :] = 5  # one row repeated
+        rows[2, 10:] = 2**31 - 1  # garbage past valid[2] = 10
+        valid = np.array([width, width + 5, 10, -3, 0][:batch], np.int32)
+        decode = jax.jit(
+            lambda *a: jax_sparse_mla.decode(*a, softmax_scale=0.1, implementation="cute")
+        )
+        _, lse = jax.block_until_ready(decode(q, kv, jnp.asarray(rows), jnp.asarray(valid)))
+        assert np.all(np.asarray(lse)[3] == -np.inf), "valid < 0 must give an empty row"
+        assert np.all(np.isfinite(np.asarray(lse)[:3]))
+        print(f"B={batch} H={heads} K={width}: ok", flush=True)
+
+
+if __name__ == "__main__":
+    main()
