@@ -8,7 +8,7 @@
 //   block        i64[3]   block dimensions in threads
 //   cluster      i64[3]   cluster dimensions in blocks
 //   smem_bytes   i64      dynamic shared memory per block
-// Parameter ABI of the entry (see .notes/CONTRACT.md): q, kv, rows, valid, scales, latent, lse
+// Parameter ABI of the entry (PARAMS in jax_sparse_mla/kernel/config.py): q, kv, rows, valid, scales, latent, lse
 // as device pointers, then n_rows = kv.shape[0] as i32.
 //
 // Stages:
