@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from jax._src import dispatch
 from jax.core import ShapedArray
 from jax.extend import core
-from jax.interpreters import ad, mlir
+from jax.interpreters import ad, batching, mlir
 
 from jax_sparse_mla import reference
 from jax_sparse_mla.validation import LATENT
@@ -81,3 +81,13 @@ def _no_differentiation(primals, tangents, **params):
 
 
 ad.primitive_jvps[sparse_mla_decode_p] = _no_differentiation
+
+
+def _no_vmap(args, dims, **params):
+    raise NotImplementedError(
+        "jax_sparse_mla.decode has no vmap rule: rows of a decode are independent, so fold the "
+        "mapped axis into B (q [V*B, H, 576], rows [V*B, K], valid [V*B]) and call it once."
+    )
+
+
+batching.primitive_batchers[sparse_mla_decode_p] = _no_vmap

@@ -112,6 +112,12 @@ def test_differentiation_raises_a_clear_error():
         jax.grad(loss)(jnp.float32(1.0))
 
 
+def test_vmap_raises_a_clear_error():
+    q, kv, rows, valid = _args()
+    with pytest.raises(NotImplementedError, match="fold the mapped axis into B"):
+        jax.vmap(lambda q: _decode(q, kv, rows, valid))(q[None])
+
+
 def test_export_of_cpu_function_runs():
     args = _args()
     exported = jax.export.export(jax.jit(lambda *a: _decode(*a)))(*args)
