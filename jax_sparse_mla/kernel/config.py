@@ -17,6 +17,7 @@ LATENT = 512  # V: the first LATENT bytes of a cache row
 COLS = LATENT // SPLIT  # latent columns each CTA merges
 CHUNK = 128  # keys per chunk; QK warp w takes keys 8 w .. 8 w + 7
 QK_WARPS = CHUNK // 8
+SLOTS = CHUNK // WARPS  # key slots per warp: slot lane * WARPS + warp, for lane < SLOTS
 QK_CHAINS = 2  # independent QK accumulator chains per warp
 PITCH = ROW + 16  # smem row pitch: ldmatrix rows land on distinct banks
 P_PITCH = CHUNK + 16  # smem pitch of the E4M3 P tile [HEADS, CHUNK]
@@ -31,9 +32,7 @@ Q_OFFSET = KV_OFFSET + STAGES * CHUNK * PITCH  # [HEADS, PITCH] u8: the 16 query
 P_OFFSET = Q_OFFSET + HEADS * PITCH  # [HEADS, P_PITCH] u8: E4M3 P
 RED_OFFSET = P_OFFSET + HEADS * P_PITCH  # [2, QK_WARPS, HEADS] f32: chunk maxima, sums
 LIVE_OFFSET = RED_OFFSET + 2 * QK_WARPS * HEADS * 4  # [STAGES, CHUNK] i32: key copied (1)
-INBOX_OFFSET = (
-    LIVE_OFFSET + STAGES * CHUNK * 4
-)  # [SPLIT, HEADS, COLS] f32: partials pushed by peers
+INBOX_OFFSET = LIVE_OFFSET + STAGES * CHUNK * 4  # [SPLIT, HEADS, COLS] f32: peers' partials
 STATS_OFFSET = INBOX_OFFSET + SPLIT * HEADS * COLS * 4  # [SPLIT, 2, HEADS] f32: (max, sum)
 BAR_OFFSET = STATS_OFFSET + SPLIT * 2 * HEADS * 4  # u64 mbarriers: STAGES chunks, inbound
 SMEM_BYTES = BAR_OFFSET + 8 * (STAGES + 1)

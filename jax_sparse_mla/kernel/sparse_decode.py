@@ -11,7 +11,7 @@ registers with byte permutes). The cluster then merges its partials in FP32 over
 distributed shared memory (st.async onto each column owner's mbarrier); CTA s writes columns
 s * COLS .. s * COLS + COLS - 1 and, for s = 0, the LSE.
 
-Parameters are raw pointers and one i32 (kernel ABI in .notes/CONTRACT.md); shapes are
+Parameters are raw pointers and one i32 (the ABI: PARAMS in config.py); shapes are
 static (KernelConfig). Nothing is read before griddepcontrol.wait (PDL).
 """
 
@@ -44,15 +44,18 @@ from jax_sparse_mla.kernel.config import (
     QK_WARPS,
     RED_OFFSET,
     ROW,
+    SLOTS,
     SMEM_BYTES,
     SPLIT,
     STAGES,
     STATS_OFFSET,
     THREADS,
+    WARPS,
     KernelConfig,
 )
 
-assert QK_WARPS <= THREADS // 32 and CHUNK % 32 == 0 and CHUNK <= THREADS
+assert QK_WARPS == WARPS == HEADS and CHUNK % 32 == 0 and SLOTS <= 32
+QUERY_STEPS = -(-HEADS * (ROW // 16) // THREADS)  # 16-byte query pieces per thread
 assert COLS == 128  # the merge: 32 lanes x 4 columns per head
 
 
@@ -119,6 +122,9 @@ class SparseDecode:
         tile, split = x // SPLIT, x % SPLIT
         lane, warp = tid % 32, tid // 32
         group, quarter = lane // 4, lane % 4
+        # Key slot of this thread in the gathers (lanes < SLOTS): spread over the warps, since
+        # ptxas issues a warp's per-lane bulk copies one after another.
+        slot = lane * WARPS + warp
         neg_inf = Float32(-math.inf)
 
         if tid == 0:
@@ -136,19 +142,25 @@ class SparseDecode:
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
+        # Keys are split interleaved (key i -> CTA i % SPLIT): where this CTA's row indices lie
+        # does not depend on the count, so the first chunk's indices (and the query) are read
+        # together with it; an index past the count is read (in bounds) but never used.
+        rows_base = mRows.toint() + (Int64(b) * self.width + split) * 4
+        reach = (self.width - split + SPLIT - 1) // SPLIT  # this CTA's positions in rows[b]
+        row = self.load_row(rows_base, min(reach, Int32(CHUNK)), 0, lane, slot)
+        query = self.load_query(mQ, b, tile, tid)
         scale_log2 = ptx.load_global_f32(mScales.toint())
         n = ptx.load_global_i32(mValid.toint() + Int64(b) * 4)
+        self.store_query(sQ, query, tid)
         n = max(min(n, Int32(self.width)), Int32(0))
-        # This CTA's keys: [first, first + mine).
-        per = (n + SPLIT - 1) // SPLIT
-        first = min(n, split * per)
-        mine = min(n - first, per)
-        rows_base = mRows.toint() + Int64(b) * (self.width * 4)
+        mine = (max(n - split, Int32(0)) + SPLIT - 1) // SPLIT  # keys split + SPLIT j, j < mine
 
         m_run = cute.make_rmem_tensor((2,), Float32)  # rows group, group + 8 (log2 units)
         m_run.fill(neg_inf)
-        l_run = cute.make_rmem_tensor((2,), Float32)
-        l_run.fill(0.0)
+        # This thread's share of the FP32 sums of P (rescaled with the accumulators), summed
+        # over the CTA once after the last chunk rather than every chunk.
+        l_part = cute.make_rmem_tensor((2,), Float32)
+        l_part.fill(0.0)
         acc = cute.make_rmem_tensor((4, 4), Float32)  # [n-tile j, c fragment]
         acc.fill(0.0)
         # ldmatrix lane addresses: A (16 heads x 32 B), B (8 keys x 2 k-steps of 32 B).
@@ -157,12 +169,10 @@ class SparseDecode:
         b_row = 8 * warp + lane % 8
         b_col = 16 * (lane // 8)
         chunks = (mine + CHUNK - 1) // CHUNK
-        # Thread t < CHUNK gathers key t of each chunk; its row index is loaded a chunk ahead.
-        row = self.load_row(rows_base, first, mine, 0, tid)
+        # Slot t's row index is loaded a chunk ahead of its gather.
         if chunks > 0:
-            self.gather(mKV, sKV, sLive, bar, row, mine, 0, n_rows, tid)
-            self.load_query(mQ, sQ, b, tile, tid)
-            row = self.load_row(rows_base, first, mine, 1, tid)
+            self.gather(mKV, sKV, sLive, bar, row, mine, 0, n_rows, lane, slot)
+            row = self.load_row(rows_base, mine, 1, lane, slot)
         for c in cutlass.range(0, chunks, unroll=1):
             stage = c % STAGES
             cute.arch.sync_threads()  # chunk c - 1's readers are done; chunk c's V zeros, flags
@@ -177,19 +187,20 @@ class SparseDecode:
                     mine,
                     c + 1,
                     n_rows,
-                    tid,
+                    lane,
+                    slot,
                 )
-                row = self.load_row(rows_base, first, mine, c + 2, tid)
+                row = self.load_row(rows_base, mine, c + 2, lane, slot)
             count = min(mine - c * CHUNK, Int32(CHUNK))
             span = (count + 31) // 32 * 32  # keys the PV steps read
             ptx.mbarrier_wait(bar + 8 * stage, (c // STAGES) % 2)
             sKVc = sKV + stage * (CHUNK * PITCH)
             sLivec = sLive + stage * (CHUNK * 4)
 
-            # ---- QK: warp w < QK_WARPS, keys 8 w .. 8 w + 7 --------------------------
+            # ---- QK: warp w, keys 8 w .. 8 w + 7 -------------------------------------
             s = cute.make_rmem_tensor((4,), Float32)
             s.fill(0.0)
-            if (warp < QK_WARPS) & (8 * warp < span):
+            if 8 * warp < span:
                 parts = cute.make_rmem_tensor((QK_CHAINS, 4), Float32)
                 parts.fill(0.0)
                 for kp in cutlass.range_constexpr(ROW // 64):
@@ -219,7 +230,7 @@ class SparseDecode:
                 for shift in cutlass.range_constexpr(2):
                     other = cute.arch.shuffle_sync_bfly(top[r], offset=1 << shift)
                     top[r] = cute.arch.fmax(top[r], other)
-            if (quarter == 0) & (warp < QK_WARPS):
+            if quarter == 0:
                 ptx.store_shared_f32(sRed + (warp * HEADS + group) * 4, top[0])
                 ptx.store_shared_f32(sRed + (warp * HEADS + group + 8) * 4, top[1])
             cute.arch.sync_threads()
@@ -237,7 +248,7 @@ class SparseDecode:
             # ---- P (E4M3 at 448 of the running max) and its FP32 sums ---------------
             sums = cute.make_rmem_tensor((2,), Float32)
             sums.fill(0.0)
-            if (warp < QK_WARPS) & (8 * warp < span):
+            if 8 * warp < span:
                 for r in cutlass.range_constexpr(2):
                     # (s - max) first: exactly <= 0, so P <= 448 however large |s| is
                     # (s - (max - log2 448) can round up by an ulp of s and overflow).
@@ -255,19 +266,9 @@ class SparseDecode:
                     sums[r] = p0 + p1
                     key = 8 * warp + 2 * quarter
                     ptx.store_e4m3_pair(sP + (group + 8 * r) * P_PITCH + key, p0, p1)
+            cute.arch.sync_threads()  # P complete
             for r in cutlass.range_constexpr(2):
-                for shift in cutlass.range_constexpr(2):
-                    sums[r] = sums[r] + cute.arch.shuffle_sync_bfly(sums[r], offset=1 << shift)
-            sRedSum = sRed + QK_WARPS * HEADS * 4
-            if (quarter == 0) & (warp < QK_WARPS):
-                ptx.store_shared_f32(sRedSum + (warp * HEADS + group) * 4, sums[0])
-                ptx.store_shared_f32(sRedSum + (warp * HEADS + group + 8) * 4, sums[1])
-            cute.arch.sync_threads()
-            for r in cutlass.range_constexpr(2):
-                total = ptx.load_shared_f32(sRedSum + (group + 8 * r) * 4)
-                for w in cutlass.range_constexpr(1, QK_WARPS):
-                    total = total + ptx.load_shared_f32(sRedSum + (w * HEADS + group + 8 * r) * 4)
-                l_run[r] = l_run[r] * alpha[r] + total
+                l_part[r] = l_part[r] * alpha[r] + sums[r]
                 m_run[r] = m_new[r]
                 for j in cutlass.range_constexpr(4):
                     for e in cutlass.range_constexpr(2):
@@ -303,56 +304,80 @@ class SparseDecode:
                 dst = sInbox + ((split * HEADS + head) * COLS + column) * 4
                 values = tuple(acc[j, 2 * r + e] for j in range(4))
                 ptx.push_v4_f32(ptx.map_peer(dst, owner), values, remote_inbound)
-            if (warp == 0) & (quarter == 0):
+        # The sums of P: over the quad, then over the warps (sRed's sum half: free by now).
+        sRedSum = sRed + QK_WARPS * HEADS * 4
+        for r in cutlass.range_constexpr(2):
+            for shift in cutlass.range_constexpr(2):
+                l_part[r] = l_part[r] + cute.arch.shuffle_sync_bfly(l_part[r], offset=1 << shift)
+            if quarter == 0:
+                ptx.store_shared_f32(sRedSum + (warp * HEADS + group + 8 * r) * 4, l_part[r])
+        cute.arch.sync_threads()
+        if (warp == 0) & (quarter == 0):
+            for r in cutlass.range_constexpr(2):
+                head = group + 8 * r
+                l_run = ptx.load_shared_f32(sRedSum + head * 4)
+                for w in cutlass.range_constexpr(1, QK_WARPS):
+                    l_run = l_run + ptx.load_shared_f32(sRedSum + (w * HEADS + head) * 4)
                 for peer in cutlass.range_constexpr(SPLIT):
                     peer_inbound = ptx.map_peer(inbound, peer)
                     m_dst = sStats + ((split * 2 + 0) * HEADS + head) * 4
                     l_dst = sStats + ((split * 2 + 1) * HEADS + head) * 4
                     ptx.push_f32(ptx.map_peer(m_dst, peer), m_run[r], peer_inbound)
-                    ptx.push_f32(ptx.map_peer(l_dst, peer), l_run[r], peer_inbound)
+                    ptx.push_f32(ptx.map_peer(l_dst, peer), l_run, peer_inbound)
         ptx.mbarrier_wait_cluster(inbound, 0)  # every source's partial of these columns
         self.merge(mScales, mLatent, mLse, sInbox, sStats, tile, split, b, tid)
 
     @cute.jit
-    def load_row(self, rows_base, first, mine, c, tid):
-        """Thread tid's row index of chunk c (-1 past this CTA's keys; nothing read there)."""
+    def load_row(self, rows_base, limit, c, lane, slot):
+        """Slot ``slot``'s row index of chunk c: rows[b, split + SPLIT j] for j = c CHUNK + slot
+        if j < limit, else -1 (nothing read)."""
         row = Int32(-1)
-        if (tid < CHUNK) & (c * CHUNK + tid < mine):
-            row = ptx.load_global_i32(rows_base + Int64(first + c * CHUNK + tid) * 4)
+        j = c * CHUNK + slot
+        if (lane < SLOTS) & (j < limit):
+            row = ptx.load_global_i32(rows_base + Int64(j) * (SPLIT * 4))
         return row
 
     @cute.jit
-    def gather(self, mKV: cute.Pointer, sKV, sLive, bar, row, mine, c, n_rows, tid):
-        """Chunk c's cache rows into sKV (bulk copies on ``bar``; thread t < CHUNK: key t).
+    def gather(self, mKV: cute.Pointer, sKV, sLive, bar, row, mine, c, n_rows, lane, slot):
+        """Chunk c's cache rows into sKV (bulk copies on ``bar``; the thread of slot t: key t).
 
         Skipped keys (out of range) and key slots past the chunk's count up to a 32-key step
         get a zero V row; every slot arrives on ``bar`` (copies with their row's bytes)."""
         count = min(mine - c * CHUNK, Int32(CHUNK))
         span = (count + 31) // 32 * 32
-        live = (tid < count) & (row >= 0) & (row < n_rows)
+        live = (slot < count) & (row >= 0) & (row < n_rows)
         if live:
             ptx.mbarrier_arrive_expect_tx(bar, ROW)
-            ptx.copy_g2s(sKV + tid * PITCH, mKV.toint() + Int64(row) * ROW, ROW, bar)
-        elif tid < CHUNK:
-            if tid < span:
+            ptx.copy_g2s(sKV + slot * PITCH, mKV.toint() + Int64(row) * ROW, ROW, bar)
+        elif lane < SLOTS:
+            if slot < span:
                 # V of a skipped or absent key: zero (its P is zero; stale bytes may be NaN).
                 for k in cutlass.range_constexpr(LATENT // 16):
-                    ptx.store_shared_v4(sKV + tid * PITCH + 16 * k, 0, 0, 0, 0)
+                    ptx.store_shared_v4(sKV + slot * PITCH + 16 * k, 0, 0, 0, 0)
                 ptx.fence_proxy_async_shared()  # before a later chunk's bulk copy here
             ptx.mbarrier_arrive(bar)
-        if tid < CHUNK:
-            ptx.store_shared_u32(sLive + 4 * tid, Int32(live))
+        if lane < SLOTS:
+            ptx.store_shared_u32(sLive + 4 * slot, Int32(live))
 
     @cute.jit
-    def load_query(self, mQ: cute.Pointer, sQ, b, tile, tid):
-        """The 16 query rows of this tile into shared memory (generic 16-byte loads)."""
-        pieces = ROW // 16
+    def load_query(self, mQ: cute.Pointer, b, tile, tid):
+        """This thread's 16-byte pieces of the tile's 16 query rows (generic loads)."""
         q_base = mQ.toint() + Int64(b * self.heads + tile * HEADS) * ROW
-        for i in cutlass.range_constexpr(-(-HEADS * pieces // THREADS)):
+        words = []
+        for i in cutlass.range_constexpr(QUERY_STEPS):
+            flat = min(tid + THREADS * i, Int32(HEADS * (ROW // 16) - 1))
+            words.append(ptx.load_global_v4(q_base + Int64(flat) * 16))
+        return words
+
+    @cute.jit
+    def store_query(self, sQ, words, tid):
+        """The pieces of load_query into shared memory (rows at PITCH)."""
+        pieces = ROW // 16
+        for i in cutlass.range_constexpr(QUERY_STEPS):
             flat = tid + THREADS * i
             if flat < HEADS * pieces:
                 q_row, piece = flat // pieces, flat % pieces
-                w = ptx.load_global_v4(q_base + Int64(q_row * ROW + 16 * piece))
+                w = words[i]
                 ptx.store_shared_v4(sQ + q_row * PITCH + 16 * piece, w[0], w[1], w[2], w[3])
 
     @cute.jit
@@ -388,7 +413,8 @@ class SparseDecode:
             row = ptx.load_shared_v4_f32(sInbox + ((c * HEADS + head) * COLS + 4 * lane) * 4)
             for e in cutlass.range_constexpr(4):
                 merged[e] = merged[e] + weight * row[e]
-        nonempty = total > Float32(0.0)
+        # != rather than >: a NaN total (a NaN logit) must poison the LSE, not empty the row.
+        nonempty = total != Float32(0.0)
         lse2 = ptx.where(
             nonempty, top - Float32(LOG2_P_SCALE) + cute.math.log2(total, fastmath=False), neg_inf
         )
