@@ -10,6 +10,12 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
 
 import jax
 import pytest
+from hypothesis import settings
+
+# CI runs the same examples every time (a red run blocks landing); elsewhere they vary.
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 
 def _has_cuda_gpu() -> bool:
