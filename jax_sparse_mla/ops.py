@@ -41,10 +41,10 @@ def decode(q, kv, rows, valid, *, softmax_scale, q_scale=1.0, kv_scale=1.0, impl
     softmax_scale = validation.check_softmax_scale(softmax_scale)
     q_scale = validation.check_scale("q_scale", q_scale)
     kv_scale = validation.check_scale("kv_scale", kv_scale)
-    if implementation == "reference":
-        return reference.decode(
-            q, kv, rows, valid, softmax_scale=softmax_scale, q_scale=q_scale, kv_scale=kv_scale
-        )
+    scales = validation.kernel_scales(softmax_scale, q_scale, kv_scale)
+    kv = validation.flat_cache(jnp.asarray(kv))
+    if implementation == "reference":  # arguments checked above: straight to the math
+        return reference.decode_flat(jnp.asarray(q), kv, rows, valid, scales)
     heads = shapes.heads
     padded = -(-heads // validation.HEAD_TILE) * validation.HEAD_TILE
     q = jnp.asarray(q)
@@ -52,10 +52,10 @@ def decode(q, kv, rows, valid, *, softmax_scale, q_scale=1.0, kv_scale=1.0, impl
         q = jnp.pad(q, ((0, 0), (0, padded - heads), (0, 0)))
     latent, lse = sparse_mla_decode_p.bind(
         q,
-        validation.flat_cache(jnp.asarray(kv)),
+        kv,
         jnp.asarray(rows),
         jnp.asarray(valid),
-        validation.kernel_scales(softmax_scale, q_scale, kv_scale),
+        scales,
         require_kernel=implementation == "cute",
     )
     if padded != heads:

@@ -36,7 +36,7 @@ def _shape(x) -> tuple[int, ...]:
 
 
 def _dtype(x):
-    return jnp.asarray(x).dtype if not hasattr(x, "dtype") else x.dtype
+    return x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
 
 
 def check_decode_args(q, kv, rows, valid) -> DecodeShapes:
