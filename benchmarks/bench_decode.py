@@ -27,11 +27,17 @@ sys.path.insert(0, os.path.dirname(__file__))
 from gpu_profile import profile_calls
 
 import jax_sparse_mla
-from jax_sparse_mla.aot import CASES
 
 HBM_BYTES_PER_S = 4.8e12  # H200 datasheet
 FP8_DENSE_FLOPS = 1979e12  # H200 dense FP8 tensor-core peak
 CACHE_ROWS = 131072  # local cache rows N (DESIGN.md section 4)
+CASES = {  # name -> (batch B, query heads H, width K), DESIGN.md section 4
+    "latency-h64": (5, 64, 2048),
+    "latency-h96": (5, 96, 2048),
+    "latency-h128": (5, 128, 2048),
+    "rank-full": (5, 128, 2048),
+    "throughput": (64, 128, 2048),
+}
 CASE_KEYS = {  # valid keys per row of each named case
     "latency-h64": 256,
     "latency-h96": 256,

@@ -4,12 +4,14 @@
 // a lowered, exported or cached executable is self-contained:
 //   cubin        u8[]     the cubin bytes (an ELF image; NUL bytes included)
 //   kernel_name  string   the entry symbol inside the cubin
-//   grid         i64[3]   grid dimensions in blocks
+//   head_tile    i64      query heads per cluster: the grid is (Hp / head_tile * cluster.x, B, 1)
 //   block        i64[3]   block dimensions in threads
 //   cluster      i64[3]   cluster dimensions in blocks
 //   smem_bytes   i64      dynamic shared memory per block
-// Parameter ABI of the entry (PARAMS in jax_sparse_mla/kernel/config.py): q, kv, rows, valid, scales, latent, lse
-// as device pointers, then n_rows = kv.shape[0] as i32.
+// Parameter ABI of the entry (PARAMS in jax_sparse_mla/kernel/config.py): q, kv, rows, valid,
+// scales, latent, lse as device pointers, then n_rows = kv.shape[0], width = rows.shape[1],
+// heads = q.shape[1] (Hp) and row_bytes = kv.shape[1] as i32. Nothing about the shape is
+// compiled into the cubin: the grid and the sizes come from the buffers of each call.
 //
 // Stages:
 // - instantiate (once per executable, while XLA builds its thunks; no stream, no device is
@@ -24,10 +26,14 @@
 //   nothing, synchronizes nothing and loads nothing, so it is declared command-buffer
 //   compatible and XLA may capture it into a CUDA graph.
 //
-// No CUDA toolkit is needed to build this file: the few driver types and entry points it uses
-// are declared below and resolved from libcuda.so.1 at run time (cuGetProcAddress, requesting
-// the CUDA 12.0 ABI of each entry point).
+// No CUDA toolkit is needed to build this file: the driver's types and entry-point typedefs
+// come from cuda.h and cudaTypedefs.h of the nvidia-cuda-runtime wheel (a build requirement),
+// and the entry points are resolved from libcuda.so.1 at run time with cuGetProcAddress,
+// requesting the CUDA 12.0 ABI of each (so a 12.x driver still works). The PFN_*_vNNNNN
+// typedefs below are the versions that ABI returns.
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <dlfcn.h>
 
 #include <cstdint>
@@ -42,85 +48,45 @@
 
 namespace ffi = xla::ffi;
 
-// The stream type of PlatformStream, as the CUDA runtime spells it (same type as CUstream).
-struct CUstream_st;
-using cudaStream_t = CUstream_st*;
+// The stream type of PlatformStream, as the CUDA runtime spells it (the same type as CUstream).
+using cudaStream_t = CUstream;
 
 namespace cu {
 
-// The subset of cuda.h this handler uses (layouts and values as in CUDA 12.0 through 13.0).
-using Result = int;
-using Device = int;
-using Context = struct CUctx_st*;
-using Module = struct CUmod_st*;
-using Function = struct CUfunc_st*;
-using Stream = cudaStream_t;
-
-constexpr Result kSuccess = 0;
-constexpr int kFuncAttrMaxDynamicSharedSizeBytes = 8;
-constexpr int kFuncAttrNonPortableClusterSizeAllowed = 14;
-constexpr int kLaunchAttrClusterDimension = 4;
-constexpr int kLaunchAttrProgrammaticStreamSerialization = 6;
 constexpr int kProcAddressVersion = 12000;
-constexpr int kPortableClusterSize = 8;
-
-union LaunchAttributeValue {
-  char pad[64];
-  struct {
-    unsigned int x, y, z;
-  } cluster_dim;
-  int programmatic_stream_serialization_allowed;
-};
-
-struct LaunchAttribute {
-  int id;
-  char pad[8 - sizeof(int)];
-  LaunchAttributeValue value;
-};
-
-struct LaunchConfig {
-  unsigned int grid_dim_x, grid_dim_y, grid_dim_z;
-  unsigned int block_dim_x, block_dim_y, block_dim_z;
-  unsigned int shared_mem_bytes;
-  Stream stream;
-  LaunchAttribute* attrs;
-  unsigned int num_attrs;
-};
-
-static_assert(sizeof(LaunchAttributeValue) == 64);
-static_assert(sizeof(LaunchAttribute) == 72);
-static_assert(sizeof(LaunchConfig) == 56);
+constexpr unsigned int kPortableClusterSize = 8;
+constexpr int64_t kMaxGridY = 65535;
 
 // Driver entry points, resolved once per process. Immutable after that; the per-executable
 // state lives in KernelState.
 struct Driver {
-  Result (*GetErrorName)(Result, const char**);
-  Result (*GetErrorString)(Result, const char**);
-  Result (*Init)(unsigned int);
-  Result (*DeviceGetCount)(int*);
-  Result (*DeviceGet)(Device*, int);
-  Result (*DevicePrimaryCtxGetState)(Device, unsigned int*, int*);
-  Result (*DevicePrimaryCtxRetain)(Context*, Device);
-  Result (*DevicePrimaryCtxRelease)(Device);
-  Result (*CtxGetCurrent)(Context*);
-  Result (*CtxPushCurrent)(Context);
-  Result (*CtxPopCurrent)(Context*);
-  Result (*ModuleLoadData)(Module*, const void*);
-  Result (*ModuleUnload)(Module);
-  Result (*ModuleGetFunction)(Function*, Module, const char*);
-  Result (*FuncSetAttribute)(Function, int, int);
-  Result (*StreamGetCtx)(Stream, Context*);
-  Result (*LaunchKernelEx)(const LaunchConfig*, Function, void**, void**);
+  PFN_cuGetErrorName_v6000 GetErrorName;
+  PFN_cuGetErrorString_v6000 GetErrorString;
+  PFN_cuInit_v2000 Init;
+  PFN_cuDeviceGetCount_v2000 DeviceGetCount;
+  PFN_cuDeviceGet_v2000 DeviceGet;
+  PFN_cuDevicePrimaryCtxGetState_v7000 DevicePrimaryCtxGetState;
+  PFN_cuDevicePrimaryCtxRetain_v7000 DevicePrimaryCtxRetain;
+  PFN_cuDevicePrimaryCtxRelease_v11000 DevicePrimaryCtxRelease;
+  PFN_cuCtxGetCurrent_v4000 CtxGetCurrent;
+  PFN_cuCtxPushCurrent_v4000 CtxPushCurrent;
+  PFN_cuCtxPopCurrent_v4000 CtxPopCurrent;
+  PFN_cuModuleLoadData_v2000 ModuleLoadData;
+  PFN_cuModuleUnload_v2000 ModuleUnload;
+  PFN_cuModuleGetFunction_v2000 ModuleGetFunction;
+  PFN_cuFuncSetAttribute_v9000 FuncSetAttribute;
+  PFN_cuStreamGetCtx_v9020 StreamGetCtx;
+  PFN_cuLaunchKernelEx_v11060 LaunchKernelEx;
 };
 
 // Formats a failed driver call as "<call>: CUDA_ERROR_NAME (description)".
-std::string Describe(const Driver& driver, std::string_view call, Result result) {
+std::string Describe(const Driver& driver, std::string_view call, CUresult result) {
   const char* name = nullptr;
   const char* text = nullptr;
-  if (driver.GetErrorName == nullptr || driver.GetErrorName(result, &name) != kSuccess) {
+  if (driver.GetErrorName == nullptr || driver.GetErrorName(result, &name) != CUDA_SUCCESS) {
     name = nullptr;
   }
-  if (driver.GetErrorString == nullptr || driver.GetErrorString(result, &text) != kSuccess) {
+  if (driver.GetErrorString == nullptr || driver.GetErrorString(result, &text) != CUDA_SUCCESS) {
     text = nullptr;
   }
   std::string message(call);
@@ -134,8 +100,8 @@ std::string Describe(const Driver& driver, std::string_view call, Result result)
   return message;
 }
 
-ffi::Error Check(const Driver& driver, std::string_view call, Result result) {
-  if (result == kSuccess) return ffi::Error::Success();
+ffi::Error Check(const Driver& driver, std::string_view call, CUresult result) {
+  if (result == CUDA_SUCCESS) return ffi::Error::Success();
   return ffi::Error::Internal("jax_sparse_mla: " + Describe(driver, call, result));
 }
 
@@ -153,8 +119,8 @@ LoadedDriver LoadDriver() {
                    (reason != nullptr ? reason : "unknown dlopen error");
     return loaded;
   }
-  using GetProcAddress = Result (*)(const char*, void**, int, std::uint64_t, int*);
-  auto get_proc = reinterpret_cast<GetProcAddress>(dlsym(library, "cuGetProcAddress_v2"));
+  auto get_proc =
+      reinterpret_cast<PFN_cuGetProcAddress_v12000>(dlsym(library, "cuGetProcAddress_v2"));
   if (get_proc == nullptr) {
     loaded.error = "libcuda.so.1 has no cuGetProcAddress_v2: a CUDA 12.0 or newer driver is needed";
     return loaded;
@@ -180,14 +146,14 @@ LoadedDriver LoadDriver() {
       {"cuLaunchKernelEx", reinterpret_cast<void**>(&d.LaunchKernelEx)},
   };
   for (const auto& [symbol, slot] : entries) {
-    int found = 0;
-    Result result = get_proc(symbol, slot, kProcAddressVersion, /*flags=*/0, &found);
-    if (result != kSuccess || *slot == nullptr) {
+    CUdriverProcAddressQueryResult found{};
+    CUresult result = get_proc(symbol, slot, kProcAddressVersion, /*flags=*/0, &found);
+    if (result != CUDA_SUCCESS || *slot == nullptr) {
       loaded.error = std::string("the CUDA driver lacks ") + symbol + " (CUDA 12.0 ABI)";
       return loaded;
     }
   }
-  if (Result result = d.Init(0); result != kSuccess) {
+  if (CUresult result = d.Init(0); result != CUDA_SUCCESS) {
     loaded.error = Describe(d, "cuInit", result);
   }
   return loaded;
@@ -205,7 +171,7 @@ const LoadedDriver& GetDriver() {
 struct LaunchSpec {
   ffi::Span<const uint8_t> cubin;
   std::string_view kernel_name;
-  ffi::Span<const int64_t> grid;
+  int64_t head_tile;
   ffi::Span<const int64_t> block;
   ffi::Span<const int64_t> cluster;
   int64_t smem_bytes;
@@ -214,7 +180,7 @@ struct LaunchSpec {
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(LaunchSpec,
                                       ffi::StructMember<ffi::Span<const uint8_t>>("cubin"),
                                       ffi::StructMember<std::string_view>("kernel_name"),
-                                      ffi::StructMember<ffi::Span<const int64_t>>("grid"),
+                                      ffi::StructMember<int64_t>("head_tile"),
                                       ffi::StructMember<ffi::Span<const int64_t>>("block"),
                                       ffi::StructMember<ffi::Span<const int64_t>>("cluster"),
                                       ffi::StructMember<int64_t>("smem_bytes"));
@@ -224,14 +190,14 @@ struct KernelState {
   static ffi::TypeId id;
 
   struct Loaded {
-    cu::Context context;
-    cu::Module module;
-    cu::Function function;
+    CUcontext context;
+    CUmodule module;
+    CUfunction function;
   };
 
   const cu::Driver* driver = nullptr;
   std::vector<Loaded> loaded;
-  unsigned int grid[3] = {};
+  unsigned int head_tile = 0;
   unsigned int block[3] = {};
   unsigned int cluster[3] = {};
   unsigned int smem_bytes = 0;
@@ -243,14 +209,14 @@ struct KernelState {
   ~KernelState() {
     // Errors are ignored: at process exit the driver may already be torn down.
     for (const Loaded& entry : loaded) {
-      if (driver->CtxPushCurrent(entry.context) != cu::kSuccess) continue;
+      if (driver->CtxPushCurrent(entry.context) != CUDA_SUCCESS) continue;
       driver->ModuleUnload(entry.module);
-      cu::Context popped = nullptr;
+      CUcontext popped = nullptr;
       driver->CtxPopCurrent(&popped);
     }
   }
 
-  const Loaded* Find(cu::Context context) const {
+  const Loaded* Find(CUcontext context) const {
     for (const Loaded& entry : loaded) {
       if (entry.context == context) return &entry;
     }
@@ -259,6 +225,9 @@ struct KernelState {
 };
 
 ffi::TypeId KernelState::id = {};
+
+constexpr int64_t kRowBytes = 576;  // a query row; a cache row's first 576 bytes
+constexpr int64_t kLatent = 512;
 
 namespace {
 
@@ -279,7 +248,7 @@ ffi::Error CheckDims(std::string_view name, ffi::Span<const int64_t> dims, int64
 }
 
 // Loads the cubin into `context` and prepares its entry function for the launch shape.
-ffi::Error LoadInto(KernelState& state, cu::Context context, const LaunchSpec& spec,
+ffi::Error LoadInto(KernelState& state, CUcontext context, const LaunchSpec& spec,
                     const std::string& kernel_name) {
   const cu::Driver& d = *state.driver;
   if (ffi::Error error = cu::Check(d, "cuCtxPushCurrent", d.CtxPushCurrent(context));
@@ -295,21 +264,21 @@ ffi::Error LoadInto(KernelState& state, cu::Context context, const LaunchSpec& s
   }
   if (error.success()) {
     error = cu::Check(d, "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)",
-                      d.FuncSetAttribute(entry.function, cu::kFuncAttrMaxDynamicSharedSizeBytes,
+                      d.FuncSetAttribute(entry.function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
                                          static_cast<int>(state.smem_bytes)));
   }
   const unsigned int cluster_size = state.cluster[0] * state.cluster[1] * state.cluster[2];
   if (error.success() && cluster_size > cu::kPortableClusterSize) {
     error = cu::Check(d, "cuFuncSetAttribute(NON_PORTABLE_CLUSTER_SIZE_ALLOWED)",
                       d.FuncSetAttribute(entry.function,
-                                         cu::kFuncAttrNonPortableClusterSizeAllowed, 1));
+                                         CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1));
   }
   if (error.failure() && entry.module != nullptr) {
     d.ModuleUnload(entry.module);
   } else if (error.success()) {
     state.loaded.push_back(entry);
   }
-  cu::Context popped = nullptr;
+  CUcontext popped = nullptr;
   ffi::Error pop = cu::Check(d, "cuCtxPopCurrent", d.CtxPopCurrent(&popped));
   return error.failure() ? error : pop;
 }
@@ -320,10 +289,13 @@ ffi::ErrorOr<std::unique_ptr<KernelState>> Instantiate(LaunchSpec spec) {
     return Failed(ffi::Error::InvalidArgument("jax_sparse_mla: empty cubin or kernel_name"));
   }
   for (auto [name, dims, limit] : {std::tuple<const char*, ffi::Span<const int64_t>, int64_t>{
-                                       "grid", spec.grid, int64_t{0x7fffffff}},
-                                   {"block", spec.block, 1024},
+                                       "block", spec.block, 1024},
                                    {"cluster", spec.cluster, 16}}) {
     if (ffi::Error error = CheckDims(name, dims, limit); error.failure()) return Failed(error);
+  }
+  if (spec.head_tile < 1 || spec.head_tile > 1024) {
+    return Failed(ffi::Error::InvalidArgument("jax_sparse_mla: bad head_tile " +
+                                              std::to_string(spec.head_tile)));
   }
   if (spec.smem_bytes < 0 || spec.smem_bytes > (1 << 30)) {
     return Failed(ffi::Error::InvalidArgument("jax_sparse_mla: bad smem_bytes " +
@@ -337,11 +309,11 @@ ffi::ErrorOr<std::unique_ptr<KernelState>> Instantiate(LaunchSpec spec) {
   auto state = std::make_unique<KernelState>();
   state->driver = &loaded.driver;
   for (int i = 0; i < 3; ++i) {
-    state->grid[i] = static_cast<unsigned int>(spec.grid[i]);
     state->block[i] = static_cast<unsigned int>(spec.block[i]);
     state->cluster[i] = static_cast<unsigned int>(spec.cluster[i]);
   }
   state->smem_bytes = static_cast<unsigned int>(spec.smem_bytes);
+  state->head_tile = static_cast<unsigned int>(spec.head_tile);
 
   const cu::Driver& d = loaded.driver;
   const std::string kernel_name(spec.kernel_name);
@@ -351,7 +323,7 @@ ffi::ErrorOr<std::unique_ptr<KernelState>> Instantiate(LaunchSpec spec) {
     return Failed(error);
   }
   for (int ordinal = 0; ordinal < devices; ++ordinal) {
-    cu::Device device = 0;
+    CUdevice device = 0;
     unsigned int flags = 0;
     int active = 0;
     if (ffi::Error error = cu::Check(d, "cuDeviceGet", d.DeviceGet(&device, ordinal));
@@ -364,7 +336,7 @@ ffi::ErrorOr<std::unique_ptr<KernelState>> Instantiate(LaunchSpec spec) {
       return Failed(error);
     }
     if (!active) continue;
-    cu::Context context = nullptr;
+    CUcontext context = nullptr;
     if (ffi::Error error = cu::Check(d, "cuDevicePrimaryCtxRetain",
                                      d.DevicePrimaryCtxRetain(&context, device));
         error.failure()) {
@@ -375,7 +347,7 @@ ffi::ErrorOr<std::unique_ptr<KernelState>> Instantiate(LaunchSpec spec) {
     d.DevicePrimaryCtxRelease(device);
     if (error.failure()) return Failed(error);
   }
-  cu::Context current = nullptr;
+  CUcontext current = nullptr;
   if (ffi::Error error = cu::Check(d, "cuCtxGetCurrent", d.CtxGetCurrent(&current));
       error.failure()) {
     return Failed(error);
@@ -411,6 +383,10 @@ ffi::Error CheckFp8(std::string_view name, const Fp8Buffer& buffer, size_t rank)
   return ffi::Error::Success();
 }
 
+ffi::Error InvalidShape(std::string message) {
+  return ffi::Error::InvalidArgument("jax_sparse_mla: " + std::move(message));
+}
+
 ffi::Error Execute(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8Buffer kv,
                    RowsBuffer rows, ValidBuffer valid, ScalesBuffer scales,
                    ffi::Result<LatentBuffer> latent, ffi::Result<LseBuffer> lse,
@@ -418,12 +394,37 @@ ffi::Error Execute(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8Buff
   const cu::Driver& d = *state->driver;
   if (ffi::Error error = CheckFp8("q", q, 3); error.failure()) return error;
   if (ffi::Error error = CheckFp8("kv", kv, 2); error.failure()) return error;
+  // Python normalizes the operands; these checks keep a malformed call from reading out of
+  // bounds.
+  const int64_t batch = q.dimensions()[0];
+  const int64_t heads = q.dimensions()[1];
   const int64_t kv_rows = kv.dimensions()[0];
-  if (kv_rows > INT32_MAX) {
-    return ffi::Error::InvalidArgument("jax_sparse_mla: kv has " + std::to_string(kv_rows) +
-                                       " rows; the kernel indexes rows with int32");
+  const int64_t row_bytes = kv.dimensions()[1];
+  const int64_t width = rows.dimensions()[1];
+  if (q.dimensions()[2] != kRowBytes || row_bytes < kRowBytes || row_bytes % 16 != 0 ||
+      row_bytes > INT32_MAX) {
+    return InvalidShape("q rows must be " + std::to_string(kRowBytes) +
+                        " bytes and kv rows at least that, a multiple of 16; got q [.., .., " +
+                        std::to_string(q.dimensions()[2]) + "], kv [.., " +
+                        std::to_string(row_bytes) + "]");
   }
-  cu::Context context = nullptr;
+  if (rows.dimensions()[0] != batch || valid.dimensions()[0] != batch ||
+      latent->dimensions()[0] != batch || latent->dimensions()[1] != heads ||
+      latent->dimensions()[2] != kLatent || lse->dimensions()[0] != batch ||
+      lse->dimensions()[1] != heads || scales.dimensions()[0] != 2) {
+    return InvalidShape("operand shapes disagree with q [" + std::to_string(batch) + ", " +
+                        std::to_string(heads) + ", 576]");
+  }
+  if (batch < 1 || batch > cu::kMaxGridY || heads < 1 || heads % state->head_tile != 0 ||
+      heads / state->head_tile * state->cluster[0] > INT32_MAX || width < 1 ||
+      width > INT32_MAX || kv_rows > INT32_MAX) {
+    return InvalidShape("unsupported sizes: B=" + std::to_string(batch) +
+                        " (1.." + std::to_string(cu::kMaxGridY) + "), Hp=" + std::to_string(heads) +
+                        " (a multiple of " + std::to_string(state->head_tile) +
+                        "), K=" + std::to_string(width) + ", N=" + std::to_string(kv_rows) +
+                        " (int32)");
+  }
+  CUcontext context = nullptr;
   if (ffi::Error error = cu::Check(d, "cuStreamGetCtx", d.StreamGetCtx(stream, &context));
       error.failure()) {
     return error;
@@ -443,26 +444,32 @@ ffi::Error Execute(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8Buff
   void* latent_ptr = latent->untyped_data();
   void* lse_ptr = lse->untyped_data();
   int32_t n_rows = static_cast<int32_t>(kv_rows);
-  void* params[] = {&q_ptr,      &kv_ptr,     &rows_ptr, &valid_ptr,
-                    &scales_ptr, &latent_ptr, &lse_ptr,  &n_rows};
+  int32_t width_param = static_cast<int32_t>(width);
+  int32_t heads_param = static_cast<int32_t>(heads);
+  int32_t row_bytes_param = static_cast<int32_t>(row_bytes);
+  void* params[] = {&q_ptr,   &kv_ptr,      &rows_ptr,    &valid_ptr,
+                    &scales_ptr, &latent_ptr, &lse_ptr,  &n_rows,
+                    &width_param, &heads_param, &row_bytes_param};
 
-  cu::LaunchAttribute attrs[2] = {};
-  attrs[0].id = cu::kLaunchAttrClusterDimension;
-  attrs[0].value.cluster_dim = {state->cluster[0], state->cluster[1], state->cluster[2]};
-  attrs[1].id = cu::kLaunchAttrProgrammaticStreamSerialization;
-  attrs[1].value.programmatic_stream_serialization_allowed = 1;
+  CUlaunchAttribute attrs[2] = {};
+  attrs[0].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+  attrs[0].value.clusterDim.x = state->cluster[0];
+  attrs[0].value.clusterDim.y = state->cluster[1];
+  attrs[0].value.clusterDim.z = state->cluster[2];
+  attrs[1].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  attrs[1].value.programmaticStreamSerializationAllowed = 1;
 
-  cu::LaunchConfig config{};
-  config.grid_dim_x = state->grid[0];
-  config.grid_dim_y = state->grid[1];
-  config.grid_dim_z = state->grid[2];
-  config.block_dim_x = state->block[0];
-  config.block_dim_y = state->block[1];
-  config.block_dim_z = state->block[2];
-  config.shared_mem_bytes = state->smem_bytes;
-  config.stream = stream;
+  CUlaunchConfig config{};
+  config.gridDimX = static_cast<unsigned int>(heads / state->head_tile) * state->cluster[0];
+  config.gridDimY = static_cast<unsigned int>(batch);
+  config.gridDimZ = 1;
+  config.blockDimX = state->block[0];
+  config.blockDimY = state->block[1];
+  config.blockDimZ = state->block[2];
+  config.sharedMemBytes = state->smem_bytes;
+  config.hStream = stream;
   config.attrs = attrs;
-  config.num_attrs = 2;
+  config.numAttrs = 2;
   return cu::Check(d, "cuLaunchKernelEx",
                    d.LaunchKernelEx(&config, entry->function, params, /*extra=*/nullptr));
 }

@@ -1,12 +1,13 @@
 """CUDA lowering of ``sparse_mla_decode_p``: an XLA FFI custom call that launches the kernel.
 
-The lowering picks the cubin for the static config (B, Hp, K from the operand shapes) with
-``kernel.compile.get_kernel`` and emits a typed-FFI custom call to ``FFI_TARGET`` whose
-attributes carry the cubin bytes (a ``u8`` array, so NUL bytes survive) and the launch
-metadata. A lowered, exported or persistently cached executable is therefore self-contained;
-the handler library (``ffi/sparse_mla_ffi.cc``, installed as
-``jax_sparse_mla/_ffi/libsparse_mla_ffi.so``) loads the cubin once per executable and
-launches it with cuLaunchKernelEx (cluster dims, dynamic shared memory, PDL).
+The lowering picks the kernel variant's cubin with ``kernel.compile.get_kernel`` (one cubin
+serves every shape: the handler computes the grid from the operand shapes) and emits a
+typed-FFI custom call to ``FFI_TARGET`` whose attributes carry the cubin bytes (a ``u8``
+array, so NUL bytes survive) and the launch metadata. A lowered, exported or persistently
+cached executable is therefore self-contained; the handler library
+(``ffi/sparse_mla_ffi.cc``, installed as ``jax_sparse_mla/_ffi/libsparse_mla_ffi.so``) loads
+the cubin once per executable and launches it with cuLaunchKernelEx (cluster dims, dynamic
+shared memory, PDL).
 
 Importing the package registers the FFI target when the handler library is installed (a
 process that only runs a deserialized ``jax.export`` artifact needs nothing more than
@@ -27,7 +28,6 @@ import functools
 import logging
 import os
 import pathlib
-import sys
 import threading
 from collections.abc import Sequence
 
@@ -35,10 +35,14 @@ import jax
 import numpy as np
 from jax.interpreters import mlir
 
-import jax_sparse_mla
-from jax_sparse_mla import primitive
+from jax_sparse_mla import installed, primitive
 from jax_sparse_mla.kernel import compile as kernel_compile
-from jax_sparse_mla.kernel.config import PARAMS, KernelConfig, KernelUnavailableError
+from jax_sparse_mla.kernel.config import (
+    MAX_BATCH,
+    PARAMS,
+    KernelConfig,
+    KernelUnavailableError,
+)
 
 FFI_TARGET = "jax_sparse_mla_decode"
 """Name of the custom call target (registered for the CUDA platform)."""
@@ -56,27 +60,17 @@ _registered_library: pathlib.Path | None = None
 
 
 def find_library() -> pathlib.Path:
-    """Path of the handler library: $JAX_SPARSE_MLA_FFI_LIBRARY, else inside the package.
-
-    The package directory is searched in ``jax_sparse_mla.__path__`` and in every
-    ``sys.path`` entry, which also finds the library of an editable install (built into
-    site-packages while the Python sources stay in the checkout).
-    """
+    """Path of the handler library: $JAX_SPARSE_MLA_FFI_LIBRARY, else inside the installed
+    package (``installed.find``)."""
     explicit = os.environ.get(LIBRARY_ENV)
     if explicit:
         path = pathlib.Path(explicit)
         if not path.is_file():
             raise FileNotFoundError(f"{LIBRARY_ENV}={explicit} is not a file")
         return path
-    candidates = [pathlib.Path(d) / "_ffi" / LIBRARY_NAME for d in jax_sparse_mla.__path__]
-    candidates += [
-        pathlib.Path(entry) / "jax_sparse_mla" / "_ffi" / LIBRARY_NAME
-        for entry in sys.path
-        if entry
-    ]
-    for path in candidates:
-        if path.is_file():
-            return path
+    path = installed.find(f"_ffi/{LIBRARY_NAME}")
+    if path is not None and path.is_file():
+        return path
     raise FileNotFoundError(
         f"the XLA FFI handler {LIBRARY_NAME} is not installed: build it with "
         "`pip install .` (needs a C++ compiler) or point "
@@ -125,7 +119,7 @@ def kernel_attributes(kernel: kernel_compile.CompiledKernel) -> dict[str, object
     return {
         "cubin": np.frombuffer(kernel.cubin, dtype=np.uint8),
         "kernel_name": str(meta["kernel_name"]),
-        "grid": np.asarray(meta["grid"], dtype=np.int64),
+        "head_tile": np.int64(meta["head_tile"]),
         "block": np.asarray(meta["block"], dtype=np.int64),
         "cluster": np.asarray(meta["cluster"], dtype=np.int64),
         "smem_bytes": np.int64(meta["smem_bytes"]),
@@ -145,30 +139,35 @@ def _local_cuda_capabilities() -> tuple[str, ...] | None:
 def _check_meta(kernel: kernel_compile.CompiledKernel, config: KernelConfig) -> None:
     meta = kernel.meta
     expected = {
-        "grid": list(config.grid),
+        "head_tile": config.head_tile,
         "block": list(config.block),
         "cluster": list(config.cluster),
         "params": list(PARAMS),
     }
-    seen = {key: list(meta.get(key, ())) for key in expected}
+    seen = {key: meta.get(key) for key in expected}
     if seen != expected:
         raise RuntimeError(f"cubin metadata for {config} does not match the ABI: {seen=}")
 
 
 def _kernel_or_reason(avals: Sequence[jax.core.ShapedArray]):
     """(CompiledKernel, None) when the kernel can run these shapes, else (None, reason)."""
-    q, kv, rows = avals[0], avals[1], avals[2]
-    batch, heads, _ = q.shape
+    q, kv = avals[0], avals[1]
+    batch = q.shape[0]
     capabilities = _local_cuda_capabilities()
     if capabilities is not None and capabilities != (HOPPER,):
         return None, f"the kernel needs Hopper (sm_90) GPUs; this process has {capabilities}"
     if kv.shape[0] >= 2**31:
         return None, f"the kernel indexes kv rows with int32; {kv.shape=}"
+    if batch > MAX_BATCH:
+        return (
+            None,
+            f"the kernel launches one grid row per query row, at most {MAX_BATCH}; {batch=}",
+        )
     try:
         register_ffi_target()
     except (FileNotFoundError, OSError) as err:
         return None, str(err)
-    config = KernelConfig(batch=batch, heads=heads, width=rows.shape[1])
+    config = KernelConfig()
     try:
         kernel = kernel_compile.get_kernel(config)
     except (KernelUnavailableError, ImportError) as err:

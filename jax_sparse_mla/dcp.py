@@ -70,7 +70,7 @@ def local_rows(
       block_table: optional [B, blocks] or [1, blocks] int32 table of a paged local cache
         (a [1, blocks] table is shared by all rows). Local position ``p`` maps to flat row
         ``block_table[b, p // block_size] * block_size + p % block_size``, the row index
-        of ``kv.reshape(-1, 576)`` for a paged ``kv`` [num_blocks, block_size, 576].
+        of ``kv.reshape(-1, W)`` for a paged ``kv`` [num_blocks, block_size, W].
       block_size: tokens per block; required with ``block_table``, else not allowed.
 
     Returns:
@@ -168,8 +168,9 @@ def dcp_decode(
       q: [B, H_own, 576] float8_e4m3fn, this rank's own query heads (absorbed MLA: 512
         latent + 64 RoPE). The heads of all ranks are gathered; gathered head
         ``rank * H_own + h`` is head ``h`` of rank ``rank``.
-      kv: [N_local, 576] float8_e4m3fn, this rank's token shard of the cache, or paged
-        [num_blocks, block_size, 576] (flat row = block * block_size + offset).
+      kv: [N_local, W] float8_e4m3fn, this rank's token shard of the cache, or paged
+        [num_blocks, block_size, W] (flat row = block * block_size + offset); W >= 576 as
+        for ``jax_sparse_mla.decode``.
       rows: [B, K] int32 local flat rows of this rank's keys (see ``local_rows``).
       valid: [B] int32; row b attends ``rows[b, :clamp(valid[b], 0, K)]``; entries outside
         [0, N_local) are skipped.

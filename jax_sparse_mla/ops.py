@@ -14,9 +14,10 @@ def decode(q, kv, rows, valid, *, softmax_scale, q_scale=1.0, kv_scale=1.0, impl
     Args:
       q: [B, H, 576] float8_e4m3fn. Per head, the absorbed query: 512 latent + 64 RoPE
         bytes. Any H >= 1 (padded to a multiple of 16 internally).
-      kv: [N, 576] float8_e4m3fn flat cache rows (512 latent, which is also V, + 64 RoPE), or
-        a paged cache [num_blocks, block_size, 576] whose flat row is
-        block * block_size + offset.
+      kv: [N, W] float8_e4m3fn flat cache rows, or a paged cache [num_blocks, block_size, W]
+        whose flat row is block * block_size + offset. A row's first 576 bytes are read (512
+        latent, which is also V, + 64 RoPE); W >= 576 with W % 16 == 0, so rows padded to
+        640 bytes (as JAX paged-MLA caches lay them out) need no copy.
       rows: [B, K] int32 flat cache rows selected for each query row (the top-k).
       valid: [B] int32. Row b attends rows[b, :clamp(valid[b], 0, K)]; entries past that are
         never read, and entries outside [0, N) are skipped (never read). Duplicates count

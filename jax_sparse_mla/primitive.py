@@ -1,10 +1,10 @@
 """The decode as a JAX primitive: shape rules, the portable lowering, no differentiation.
 
 Operands are normalized by ``ops.decode``: q [B, Hp, 576] float8_e4m3fn with Hp a multiple of
-16, kv [N, 576] float8_e4m3fn flat rows, rows [B, K] int32, valid [B] int32, scales float32[2]
-(scale_log2, out_scale). Results: latent [B, Hp, 512] bfloat16, lse [B, Hp] float32.
-The CUDA lowering to the kernel lives in ``cuda_lowering``; every other platform lowers to
-the reference.
+16, kv [N, W] float8_e4m3fn flat rows (W >= 576, the first 576 bytes read), rows [B, K]
+int32, valid [B] int32, scales float32[2] (scale_log2, out_scale). Results: latent
+[B, Hp, 512] bfloat16, lse [B, Hp] float32. The CUDA lowering to the kernel lives in
+``cuda_lowering``; every other platform lowers to the reference.
 """
 
 from __future__ import annotations

@@ -35,7 +35,8 @@ HIGHEST = jax.lax.Precision.HIGHEST  # FP32 products on GPUs too (no TF32)
 def decode_flat(q, kv, rows, valid, scales):
     """Sparse decode on normalized operands (any H; no argument checks).
 
-    q [B, H, 576] float8_e4m3fn, kv [N, 576] float8_e4m3fn, rows [B, K] int32,
+    q [B, H, 576] float8_e4m3fn, kv [N, W] float8_e4m3fn (W >= 576: the first 576 bytes of
+    a row are read), rows [B, K] int32,
     valid [B] int32, scales float32[2] = (scale_log2, out_scale)
     -> latent [B, H, 512] bfloat16, lse [B, H] float32 (natural log).
     """
@@ -47,7 +48,7 @@ def decode_flat(q, kv, rows, valid, scales):
     scale_log2, out_scale = scales[0], scales[1]
     count = jnp.clip(valid, 0, width)
     live = (jnp.arange(width)[None, :] < count[:, None]) & (rows >= 0) & (rows < cache_rows)
-    keys = kv[jnp.where(live, rows, 0)].astype(jnp.float32)  # [B, K, 576]
+    keys = kv[jnp.where(live, rows, 0), : validation.ROW_BYTES].astype(jnp.float32)  # [B, K, 576]
     logits = jnp.einsum("bhd,bkd->bhk", q.astype(jnp.float32), keys, precision=HIGHEST)
     s = jnp.where(live[:, None, :], logits * scale_log2, -jnp.inf)
     row_max = jnp.max(s, axis=-1)

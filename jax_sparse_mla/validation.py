@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 ROW_BYTES = 576  # one cache / query row: 512 latent + 64 RoPE, FP8 E4M3
+ROW_ALIGN = 16  # a padded cache row's width W: a multiple of this (bulk copies need 16 B)
 LATENT = 512
 HEAD_TILE = 16  # the kernel takes heads 16 at a time
 IMPLEMENTATIONS = (None, "cute", "reference")
@@ -22,13 +23,14 @@ FP8 = jnp.float8_e4m3fn
 
 @dataclass(frozen=True)
 class DecodeShapes:
-    """Sizes of one decode call: B rows, H heads, N flat cache rows, K index slots."""
+    """Sizes of one decode call: B rows, H heads, N flat cache rows of W bytes, K index slots."""
 
     batch: int
     heads: int
     cache_rows: int
     width: int
     paged: bool
+    row_bytes: int
 
 
 def _shape(x) -> tuple[int, ...]:
@@ -52,10 +54,17 @@ def check_decode_args(q, kv, rows, valid) -> DecodeShapes:
     rows_shape, valid_shape = _shape(rows), _shape(valid)
     if len(q_shape) != 3 or q_shape[2] != ROW_BYTES:
         raise ValueError(f"q must be [B, H, {ROW_BYTES}], got {q_shape=}")
-    if len(kv_shape) not in (2, 3) or kv_shape[-1] != ROW_BYTES:
+    if len(kv_shape) not in (2, 3):
         raise ValueError(
-            f"kv must be [N, {ROW_BYTES}] or paged [num_blocks, block_size, {ROW_BYTES}], "
+            f"kv must be [N, W] or paged [num_blocks, block_size, W] (W >= {ROW_BYTES}), "
             f"got {kv_shape=}"
+        )
+    row_bytes = kv_shape[-1]
+    if row_bytes < ROW_BYTES or row_bytes % ROW_ALIGN:
+        raise ValueError(
+            f"kv rows must be W >= {ROW_BYTES} bytes with W % {ROW_ALIGN} == 0 (the first "
+            f"{ROW_BYTES} are read; 576 or a padded 640 are usual), got W={row_bytes} "
+            f"({kv_shape=})"
         )
     if len(rows_shape) != 2:
         raise ValueError(f"rows must be [B, K], got {rows_shape=}")
@@ -75,7 +84,9 @@ def check_decode_args(q, kv, rows, valid) -> DecodeShapes:
         raise ValueError(
             f"kv holds {cache_rows} rows; int32 row indices reach 2**31 - 1 ({kv_shape=})"
         )
-    return DecodeShapes(batch, heads, cache_rows, rows_shape[1], paged=len(kv_shape) == 3)
+    return DecodeShapes(
+        batch, heads, cache_rows, rows_shape[1], paged=len(kv_shape) == 3, row_bytes=row_bytes
+    )
 
 
 def check_softmax_scale(softmax_scale) -> float:
@@ -111,8 +122,8 @@ def check_implementation(implementation):
 
 
 def flat_cache(kv):
-    """kv as [N, 576] flat rows (a paged cache's flat row = block * block_size + offset)."""
-    return kv.reshape(-1, ROW_BYTES) if kv.ndim == 3 else kv
+    """kv as [N, W] flat rows (a paged cache's flat row = block * block_size + offset)."""
+    return kv.reshape(-1, kv.shape[-1]) if kv.ndim == 3 else kv
 
 
 def kernel_scales(softmax_scale: float, q_scale, kv_scale):

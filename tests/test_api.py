@@ -30,7 +30,12 @@ BAD_ARGUMENTS = [
     (lambda q, kv, r, v: (q, kv, r, v.astype(np.uint32)), TypeError, "valid must be int32"),
     (lambda q, kv, r, v: (q[:, :, :512], kv, r, v), ValueError, r"q must be \[B, H, 576\]"),
     (lambda q, kv, r, v: (q[0], kv, r, v), ValueError, r"q must be \[B, H, 576\]"),
-    (lambda q, kv, r, v: (q, kv[:, :575], r, v), ValueError, "kv must be"),
+    (lambda q, kv, r, v: (q, kv[:, :575], r, v), ValueError, "kv rows must be W >= 576.*W=575"),
+    (
+        lambda q, kv, r, v: (q, np.pad(kv, ((0, 0), (0, 8))), r, v),
+        ValueError,
+        "kv rows must be .*W % 16 == 0.*W=584",
+    ),
     (lambda q, kv, r, v: (q, kv[None, None], r, v), ValueError, "kv must be"),
     (lambda q, kv, r, v: (q, kv, r[0], v), ValueError, r"rows must be \[B, K\]"),
     (lambda q, kv, r, v: (q, kv, r, v[:, None]), ValueError, r"valid must be \[B\]"),

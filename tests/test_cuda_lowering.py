@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -30,22 +31,22 @@ FAKE_CUBIN = b"\x7fELF\x00\x00\x00" + bytes(range(256)) * 3 + b"\x00"
 def _fake_kernel(config: KernelConfig) -> kernel_compile.CompiledKernel:
     meta = {
         "kernel_name": "fake_entry",
-        "grid": list(config.grid),
+        "head_tile": config.head_tile,
         "block": list(config.block),
         "cluster": list(config.cluster),
         "smem_bytes": 123456,
         "params": list(PARAMS),
-        "config": {"batch": config.batch, "heads": config.heads, "width": config.width},
+        "config": {"variant": config.variant},
     }
     return kernel_compile.CompiledKernel(FAKE_CUBIN, meta)
 
 
-def _args():
+def _args(batch=B, heads=H, width=K, cache_rows=N, row_bytes=576):
     return (
-        jax.ShapeDtypeStruct((B, H, 576), jnp.float8_e4m3fn),
-        jax.ShapeDtypeStruct((N, 576), jnp.float8_e4m3fn),
-        jax.ShapeDtypeStruct((B, K), jnp.int32),
-        jax.ShapeDtypeStruct((B,), jnp.int32),
+        jax.ShapeDtypeStruct((batch, heads, 576), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((cache_rows, row_bytes), jnp.float8_e4m3fn),
+        jax.ShapeDtypeStruct((batch, width), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
     )
 
 
@@ -58,8 +59,9 @@ def _decode(implementation):
     return jax.jit(fn)
 
 
-def _cuda_text(implementation) -> str:
-    lowered = _decode(implementation).trace(*_args()).lower(lowering_platforms=("cuda",))
+def _cuda_text(implementation, args=None) -> str:
+    args = _args() if args is None else args
+    lowered = _decode(implementation).trace(*args).lower(lowering_platforms=("cuda",))
     return lowered.as_text()
 
 
@@ -80,7 +82,7 @@ def _custom_call_attributes(module_text: str) -> list[dict[str, object]]:
                     {
                         "cubin": np.asarray(ir.DenseElementsAttr(config["cubin"])),
                         "kernel_name": ir.StringAttr(config["kernel_name"]).value,
-                        "grid": list(np.asarray(ir.DenseElementsAttr(config["grid"]))),
+                        "head_tile": ir.IntegerAttr(config["head_tile"]).value,
                         "block": list(np.asarray(ir.DenseElementsAttr(config["block"]))),
                         "cluster": list(np.asarray(ir.DenseElementsAttr(config["cluster"]))),
                         "smem_bytes": ir.IntegerAttr(config["smem_bytes"]).value,
@@ -111,11 +113,10 @@ def fake_kernel(monkeypatch):
 def test_lowering_emits_custom_call_with_cubin(fake_kernel):
     text = _cuda_text("cute")
     (attrs,) = _custom_call_attributes(text)
-    config = KernelConfig(batch=B, heads=HP, width=K)
     assert attrs["cubin"].dtype == np.uint8
     assert attrs["cubin"].tobytes() == FAKE_CUBIN
     assert attrs["kernel_name"] == "fake_entry"
-    assert attrs["grid"] == list(config.grid) == [HP // 16 * 4, B, 1]
+    assert attrs["head_tile"] == 16  # the handler's grid: (32 / 16 * 4, B, 1)
     assert attrs["block"] == [512, 1, 1]
     assert attrs["cluster"] == [4, 1, 1]
     assert (attrs["smem_bytes"], attrs["smem_type"]) == (123456, "i64")
@@ -151,9 +152,8 @@ def test_export_without_disabled_check_is_refused(fake_kernel):
 
 
 def test_export_real_kernel_roundtrips():
-    config = KernelConfig(batch=B, heads=HP, width=K)
     try:
-        kernel = kernel_compile.get_kernel(config)
+        kernel = kernel_compile.get_kernel(KernelConfig())
     except KernelUnavailableError as err:
         pytest.skip(f"no cubin on this machine: {err}")
     assert kernel.cubin[:4] == b"\x7fELF" and 0 in kernel.cubin
@@ -164,6 +164,42 @@ def test_export_real_kernel_roundtrips():
     assert attrs["cubin"].tobytes() == kernel.cubin
     assert attrs["kernel_name"] == kernel.meta["kernel_name"]
     assert attrs["smem_bytes"] == kernel.meta["smem_bytes"]
+
+
+@pytest.fixture
+def without_dsl(monkeypatch, tmp_path):
+    """No DSL (cutlass unimportable), an empty disk cache and no cubin in memory."""
+    monkeypatch.setitem(sys.modules, "cutlass", None)
+    monkeypatch.setattr(kernel_compile, "dsl_version", lambda: None)
+    monkeypatch.setattr(kernel_compile, "_MEMORY", {})
+    monkeypatch.setenv("JAX_SPARSE_MLA_CACHE_DIR", str(tmp_path / "empty-cache"))
+
+
+def test_shipped_cubin_serves_shapes_never_compiled(without_dsl):
+    shipped = kernel_compile.shipped_dir()
+    assert shipped is not None, (
+        "the installed jax_sparse_mla ships no cubins (jax_sparse_mla/_cubins): install it "
+        "with `pip install .`, whose build compiles them"
+    )
+    (cubin_path,) = shipped.glob(
+        f"{KernelConfig().slug}-{kernel_compile.source_fingerprint()}-*.cubin"
+    )
+    shapes = [(7, 40, 333, 50_000, 640), (1, 1, 1, 3, 576), (300, 128, 2048, 10, 592)]
+    for batch, heads, width, cache_rows, row_bytes in shapes:
+        args = _args(batch, heads, width, cache_rows, row_bytes)
+        text = _cuda_text("cute", args)
+        (attrs,) = _custom_call_attributes(text)
+        assert attrs["cubin"].tobytes() == cubin_path.read_bytes()
+        padded = -(-heads // 16) * 16
+        assert f"tensor<{cache_rows}x{row_bytes}xf8E4M3FN>" in text  # padded rows, no copy
+        assert f"tensor<{batch}x{padded}x576xf8E4M3FN>" in text
+        jax.clear_caches()
+
+
+def test_without_dsl_or_shipped_cubin_falls_back(without_dsl, monkeypatch):
+    monkeypatch.setattr(kernel_compile, "shipped_dir", lambda: None)
+    with pytest.raises(NotImplementedError, match="not installed to compile"):
+        _cuda_text("cute")
 
 
 def _unavailable(config):

@@ -20,7 +20,7 @@ from jax_sparse_mla import aot
 from jax_sparse_mla.kernel import KernelConfig, KernelUnavailableError, compile
 from jax_sparse_mla.kernel.config import PARAMS, SMEM_BYTES
 
-CONFIG = KernelConfig(batch=5, heads=32, width=2048)
+CONFIG = KernelConfig()
 
 
 def _cuobjdump() -> str:
@@ -52,10 +52,10 @@ def cubin_path(compiled, cache_dir):
 def test_meta_matches_abi(compiled):
     meta = compiled.meta
     assert meta["params"] == list(PARAMS)
-    assert meta["grid"] == [CONFIG.heads // 16 * 4, CONFIG.batch, 1]
+    assert meta["head_tile"] == 16 and CONFIG.grid(batch=5, heads=96) == (24, 5, 1)
     assert meta["block"] == [512, 1, 1] and meta["cluster"] == [4, 1, 1]
     assert meta["arch"] == "sm_90a" and meta["smem_bytes"] == SMEM_BYTES <= 227 * 1024
-    assert meta["config"] == {"batch": 5, "heads": 32, "width": 2048}
+    assert meta["config"] == {"variant": "cluster-mma"}
     assert compiled.cubin[:4] == b"\x7fELF"
     assert meta["kernel_name"].encode() in compiled.cubin
 
@@ -104,15 +104,18 @@ def test_disk_cache_hit(compiled, cache_dir, monkeypatch):
 def test_unavailable_without_dsl(tmp_path, monkeypatch):
     monkeypatch.setattr(compile, "dsl_version", lambda: None)
     with pytest.raises(KernelUnavailableError, match=r"jax_sparse_mla\.aot"):
-        compile.get_kernel(KernelConfig(1, 16, 64), cache_dir=tmp_path)
+        compile.get_kernel(KernelConfig(), cache_dir=tmp_path)
 
 
 def test_aot_command(tmp_path, capsys):
-    assert aot.main(["--arch", "sm_90a", "--out", str(tmp_path), "--config", "2,20,64"]) == 0
-    assert "b2-h32-k64" in capsys.readouterr().out  # 20 heads pad to 32
-    (meta_path,) = tmp_path.glob("b2-h32-k64-*.json")
+    assert aot.main(["--arch", "sm_90a", "--out", str(tmp_path)]) == 0
+    assert "cluster-mma-h16" in capsys.readouterr().out
+    (meta_path,) = tmp_path.glob("cluster-mma-h16-*.json")
     meta = json.loads(meta_path.read_text())
     assert meta["fingerprint"] == compile.source_fingerprint()
     assert meta_path.with_suffix(".cubin").read_bytes()[:4] == b"\x7fELF"
-    assert aot.CASES["latency-h96"] == (5, 96, 2048)
-    assert aot.config_for(*aot.CASES["throughput"]) == KernelConfig(64, 128, 2048)
+
+
+def test_unknown_variant():
+    with pytest.raises(ValueError, match="variant"):
+        KernelConfig("wgmma")

@@ -101,6 +101,28 @@ def test_paged_cache_equals_flat():
     check_against_truth(*flat, q, kv, rows, valid, softmax_scale=0.1)
 
 
+def _pad_rows(kv, row_bytes):
+    """kv [N, 576] with each row padded to row_bytes by NaN bytes (which must never be read)."""
+    pad = np.full((kv.shape[0], row_bytes - 576), np.nan, np.float32).astype(kv.dtype)
+    return np.concatenate([kv, pad], axis=1)
+
+
+@pytest.mark.parametrize("row_bytes", [592, 640])
+def test_padded_rows_equal_unpadded(row_bytes):
+    rng = np.random.default_rng(row_bytes)
+    q, kv, rows = make_inputs(rng, 4, 20, 320, WIDTH)
+    valid = np.array([WIDTH, 17, 0, 1], np.int32)
+    want = jax_sparse_mla.decode(q, kv, rows, valid, softmax_scale=0.1)
+    padded = _pad_rows(kv, row_bytes)
+    for cache in (padded, padded.reshape(5, 64, row_bytes)):  # flat and paged
+        got = jax.jit(lambda *a: jax_sparse_mla.decode(*a, softmax_scale=0.1))(
+            q, cache, rows, valid
+        )
+        for a, b in zip(want, got, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    check_against_truth(*want, q, kv, rows, valid, softmax_scale=0.1)
+
+
 def test_empty_cache_gives_empty_rows():
     rng = np.random.default_rng(4)
     q, _, rows = make_inputs(rng, 2, 16, 10, 8)

@@ -1,11 +1,13 @@
-"""Compiled sparse decode cubins: in-memory cache, disk cache, and compilation with the DSL.
+"""Compiled sparse decode cubins: shipped in the wheel, cached on disk, or compiled by the DSL.
 
-``get_kernel(config)`` looks up, in order: this process's cache, the disk cache
+``get_kernel(config)`` looks up, in order: this process's cache, the cubins shipped inside
+the installed package (``jax_sparse_mla/_cubins``, written by the wheel build), the disk cache
 (``$JAX_SPARSE_MLA_CACHE_DIR``, default ``~/.cache/jax_sparse_mla``), and finally compiles
-with nvidia-cutlass-dsl for sm_90a (no GPU needed) and stores the result. Disk entries are
-``<slug>-<fingerprint>-<dsl version>.{cubin,json}``; the fingerprint hashes this package's
-kernel sources, so editing the kernel invalidates every entry. Without the DSL, an entry of
-any DSL version with a matching slug and fingerprint is accepted.
+with nvidia-cutlass-dsl for sm_90a (no GPU needed) and stores the result in the disk cache.
+Entries are ``<slug>-<fingerprint>-<dsl version>.{cubin,json}``; the fingerprint hashes this
+package's kernel sources, so editing the kernel invalidates every entry (shipped ones too).
+Shipped entries, and every entry on a machine without the DSL, are accepted whatever DSL
+version compiled them.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ import re
 import tempfile
 import threading
 
+from jax_sparse_mla import installed
 from jax_sparse_mla.kernel.config import (
     ARCH,
+    PARAM_TYPES,
     PARAMS,
+    ROW,
     SMEM_BYTES,
     KernelConfig,
     KernelUnavailableError,
@@ -32,8 +37,7 @@ _KERNEL_DIR = pathlib.Path(__file__).resolve().parent
 _DSL_PACKAGE = "nvidia-cutlass-dsl"
 _MEMORY: dict[KernelConfig, CompiledKernel] = {}
 _LOCK = threading.Lock()
-# The ABI: seven global pointers, then n_rows.
-_PARAM_TYPES = ("u64",) * 7 + ("u32",)
+SHIPPED_DIR = "_cubins"  # inside the package
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,24 +71,36 @@ def default_cache_dir() -> pathlib.Path:
     return pathlib.Path(value) if value else pathlib.Path.home() / ".cache" / "jax_sparse_mla"
 
 
+def shipped_dir() -> pathlib.Path | None:
+    """The installed package's folder of prebuilt cubins, or None (a checkout, a DSL-less
+    build without cubins)."""
+    return installed.find(SHIPPED_DIR)
+
+
 def get_kernel(
     config: KernelConfig, *, cache_dir: str | os.PathLike | None = None
 ) -> CompiledKernel:
-    """The compiled kernel of ``config``: from memory, the disk cache, or the DSL."""
+    """The compiled kernel of ``config``: from memory, the shipped cubins, the disk cache
+    (``cache_dir`` or the default), or the DSL. An explicit ``cache_dir`` skips memory and
+    shipped cubins (the ahead-of-time command fills it)."""
     with _LOCK:
         if config in _MEMORY and cache_dir is None:
             return _MEMORY[config]
         directory = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
         fingerprint, version = source_fingerprint(), dsl_version()
-        kernel = _load(directory, config, fingerprint, version)
+        shipped = shipped_dir() if cache_dir is None else None
+        kernel = _load(shipped, config, fingerprint, None) if shipped is not None else None
+        if kernel is None:
+            kernel = _load(directory, config, fingerprint, version)
         if kernel is None:
             if version is None:
                 raise KernelUnavailableError(
-                    f"no cached cubin for {config} (fingerprint {fingerprint}) in {directory}, "
-                    f"and {_DSL_PACKAGE} is not installed: install the package's 'gpu' extra, "
-                    "or fill the cache on any machine with "
-                    "`python -m jax_sparse_mla.aot --arch sm_90a --out DIR --case NAME` and "
-                    "point JAX_SPARSE_MLA_CACHE_DIR at DIR."
+                    f"no cubin for {config} (fingerprint {fingerprint}): none shipped in the "
+                    f"installed package ({shipped or 'no ' + SHIPPED_DIR + ' folder'}), none "
+                    f"cached in {directory}, and {_DSL_PACKAGE} is not installed to compile "
+                    "one. Install a wheel built from these sources, install the "
+                    "'kernel-dev' extra, or fill a cache with `python -m jax_sparse_mla.aot "
+                    "--out DIR` and point JAX_SPARSE_MLA_CACHE_DIR at DIR."
                 )
             kernel = compile_kernel(config, fingerprint, version)
             _store(directory, kernel)
@@ -156,10 +172,13 @@ def compile_kernel(config: KernelConfig, fingerprint: str, version: str) -> Comp
         make_ptr(cutlass.BFloat16, 0, gmem, assumed_align=16),  # latent
         make_ptr(cutlass.Float32, 0, gmem, assumed_align=4),  # lse
         cutlass.Int32(1),  # n_rows
+        cutlass.Int32(1),  # width
+        cutlass.Int32(config.head_tile),  # heads
+        cutlass.Int32(ROW),  # row_bytes
     )
     with tempfile.TemporaryDirectory(prefix="jax_sparse_mla-") as dump:
         options = f"--gpu-arch {ARCH} --keep-cubin --keep-ptx --dump-dir {dump}"
-        compiled = cute.compile(SparseDecode(config), *args, options=options)
+        compiled = cute.compile(SparseDecode(), *args, options=options)
         cubin, ptx = compiled.artifacts.CUBIN, compiled.artifacts.PTX
         if not cubin or not ptx:  # older DSLs only dump the files
             cubin = next(pathlib.Path(dump).glob("*.cubin")).read_bytes()
@@ -167,11 +186,11 @@ def compile_kernel(config: KernelConfig, fingerprint: str, version: str) -> Comp
     if f".target {ARCH}" not in ptx:
         raise RuntimeError(f"the DSL compiled for another arch than {ARCH}")
     name, types = parse_entry(ptx)
-    if tuple(types) != _PARAM_TYPES:
-        raise RuntimeError(f"kernel {name} has params {types}, the ABI wants {_PARAM_TYPES}")
+    if tuple(types) != PARAM_TYPES:
+        raise RuntimeError(f"kernel {name} has params {types}, the ABI wants {PARAM_TYPES}")
     meta = {
         "kernel_name": name,
-        "grid": list(config.grid),
+        "head_tile": config.head_tile,
         "block": list(config.block),
         "cluster": list(config.cluster),
         "smem_bytes": SMEM_BYTES,

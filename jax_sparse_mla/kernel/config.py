@@ -39,38 +39,51 @@ SMEM_BYTES = BAR_OFFSET + 8 * (STAGES + 1)
 INBOUND_BYTES = SPLIT * (HEADS * COLS + 2 * HEADS) * 4  # bytes the peers push to one CTA
 
 ARCH = "sm_90a"
-PARAMS = ("q", "kv", "rows", "valid", "scales", "latent", "lse", "n_rows")
+# The ABI of every cubin: seven global pointers, then four i32 sizes. The batch B is the grid's
+# y extent; nothing else about the shape is compiled in.
+PARAMS = (
+    "q",  # [B, Hp, ROW] u8
+    "kv",  # [n_rows, row_bytes] u8, the first ROW bytes of each row read
+    "rows",  # [B, width] i32
+    "valid",  # [B] i32
+    "scales",  # f32[2]: scale_log2, out_scale
+    "latent",  # [B, Hp, LATENT] bf16
+    "lse",  # [B, Hp] f32
+    "n_rows",
+    "width",
+    "heads",
+    "row_bytes",
+)
+PARAM_TYPES = ("u64",) * 7 + ("u32",) * 4
+MAX_BATCH = 65535  # the grid's y extent
 
 
 class KernelUnavailableError(RuntimeError):
-    """No compiled cubin for a config: the DSL is missing and the disk cache has none."""
+    """No compiled cubin for a config: none shipped or cached, and the DSL is missing."""
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """Static shape of one kernel: batch rows B, padded heads Hp (a multiple of 16), width K."""
+    """A compiled kernel variant: its cubin serves every B, K, cache size and padded H.
 
-    batch: int
-    heads: int
-    width: int
+    ``head_tile`` heads per cluster of ``split`` CTAs; the launch grid of a call with B rows
+    and Hp padded heads is (Hp / head_tile * split, B, 1).
+    """
+
+    variant: str = "cluster-mma"
 
     def __post_init__(self) -> None:
-        for name in ("batch", "heads", "width"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"KernelConfig.{name} must be a positive int, got {value!r}")
-        if self.heads % HEADS:
-            raise ValueError(f"KernelConfig.heads must be a multiple of {HEADS}, {self.heads=}")
+        if self.variant not in VARIANTS:
+            raise ValueError(f"KernelConfig.variant must be one of {VARIANTS}, {self.variant=}")
 
     @property
     def slug(self) -> str:
         """File-name stem of this config."""
-        return f"b{self.batch}-h{self.heads}-k{self.width}"
+        return f"{self.variant}-h{HEADS}"
 
     @property
-    def grid(self) -> tuple[int, int, int]:
-        """Launch grid: a cluster of SPLIT CTAs per (16 heads, row)."""
-        return (self.heads // HEADS * SPLIT, self.batch, 1)
+    def head_tile(self) -> int:
+        return HEADS
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -79,3 +92,11 @@ class KernelConfig:
     @property
     def cluster(self) -> tuple[int, int, int]:
         return (SPLIT, 1, 1)
+
+    def grid(self, batch: int, heads: int) -> tuple[int, int, int]:
+        """Launch grid for B rows and Hp padded heads (the FFI handler computes the same)."""
+        return (heads // HEADS * SPLIT, batch, 1)
+
+
+VARIANTS = ("cluster-mma",)
+"""The seed's design: clusters of SPLIT CTAs per 16 heads, FP8 mma.sync, DSMEM merge."""

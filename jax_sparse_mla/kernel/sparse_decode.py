@@ -11,8 +11,10 @@ registers with byte permutes). The cluster then merges its partials in FP32 over
 distributed shared memory (st.async onto each column owner's mbarrier); CTA s writes columns
 s * COLS .. s * COLS + COLS - 1 and, for s = 0, the LSE.
 
-Parameters are raw pointers and one i32 (the ABI: PARAMS in config.py); shapes are
-static (KernelConfig). Nothing is read before griddepcontrol.wait (PDL).
+Parameters are raw pointers and i32 sizes (the ABI: PARAMS in config.py). No size is
+static: the batch is the grid's y extent, and the cache rows, index width K, padded heads and
+cache row pitch arrive as parameters, so one cubin serves every shape. Nothing is read before
+griddepcontrol.wait (PDL).
 """
 
 from __future__ import annotations
@@ -51,7 +53,6 @@ from jax_sparse_mla.kernel.config import (
     STATS_OFFSET,
     THREADS,
     WARPS,
-    KernelConfig,
 )
 
 assert QK_WARPS == WARPS == HEADS and CHUNK % 32 == 0 and SLOTS <= 32
@@ -72,11 +73,7 @@ def transpose4(w):
 
 
 class SparseDecode:
-    """Sparse decode of ``config.batch`` rows x ``config.heads`` heads over rows [B, K]."""
-
-    def __init__(self, config: KernelConfig):
-        self.batch, self.heads, self.width = config.batch, config.heads, config.width
-        self.grid = config.grid
+    """Sparse decode of B rows x Hp heads over rows [B, K] (grid: Hp / HEADS * SPLIT, B)."""
 
     @cute.jit
     def __call__(
@@ -89,9 +86,16 @@ class SparseDecode:
         mLatent: cute.Pointer,
         mLse: cute.Pointer,
         n_rows: Int32,
+        width: Int32,
+        heads: Int32,
+        row_bytes: Int32,
     ):
-        self.kernel(mQ, mKV, mRows, mValid, mScales, mLatent, mLse, n_rows).launch(
-            grid=self.grid,
+        # The launch here only serves compilation; the FFI handler launches the cubin with the
+        # grid of the call's shapes.
+        self.kernel(
+            mQ, mKV, mRows, mValid, mScales, mLatent, mLse, n_rows, width, heads, row_bytes
+        ).launch(
+            grid=(heads // HEADS * SPLIT, 1, 1),
             block=(THREADS, 1, 1),
             cluster=(SPLIT, 1, 1),
             smem=SMEM_BYTES,
@@ -109,6 +113,9 @@ class SparseDecode:
         mLatent: cute.Pointer,
         mLse: cute.Pointer,
         n_rows: Int32,
+        width: Int32,
+        heads: Int32,
+        row_bytes: Int32,
     ):
         smem = cutlass.memory.SmemAllocator()
         base = smem.allocate(SMEM_BYTES, 1024).toint()
@@ -145,14 +152,14 @@ class SparseDecode:
         # Keys are split interleaved (key i -> CTA i % SPLIT): where this CTA's row indices lie
         # does not depend on the count, so the first chunk's indices (and the query) are read
         # together with it; an index past the count is read (in bounds) but never used.
-        rows_base = mRows.toint() + (Int64(b) * self.width + split) * 4
-        reach = (self.width - split + SPLIT - 1) // SPLIT  # this CTA's positions in rows[b]
+        rows_base = mRows.toint() + (Int64(b) * width + split) * 4
+        reach = (width - split + SPLIT - 1) // SPLIT  # this CTA's positions in rows[b]
         row = self.load_row(rows_base, min(reach, Int32(CHUNK)), 0, lane, slot)
-        query = self.load_query(mQ, b, tile, tid)
+        query = self.load_query(mQ, b, tile, heads, tid)
         scale_log2 = ptx.load_global_f32(mScales.toint())
         n = ptx.load_global_i32(mValid.toint() + Int64(b) * 4)
         self.store_query(sQ, query, tid)
-        n = max(min(n, Int32(self.width)), Int32(0))
+        n = max(min(n, width), Int32(0))
         mine = (max(n - split, Int32(0)) + SPLIT - 1) // SPLIT  # keys split + SPLIT j, j < mine
 
         m_run = cute.make_rmem_tensor((2,), Float32)  # rows group, group + 8 (log2 units)
@@ -171,7 +178,7 @@ class SparseDecode:
         chunks = (mine + CHUNK - 1) // CHUNK
         # Slot t's row index is loaded a chunk ahead of its gather.
         if chunks > 0:
-            self.gather(mKV, sKV, sLive, bar, row, mine, 0, n_rows, lane, slot)
+            self.gather(mKV, sKV, sLive, bar, row, mine, 0, n_rows, row_bytes, lane, slot)
             row = self.load_row(rows_base, mine, 1, lane, slot)
         for c in cutlass.range(0, chunks, unroll=1):
             stage = c % STAGES
@@ -187,6 +194,7 @@ class SparseDecode:
                     mine,
                     c + 1,
                     n_rows,
+                    row_bytes,
                     lane,
                     slot,
                 )
@@ -325,7 +333,7 @@ class SparseDecode:
                     ptx.push_f32(ptx.map_peer(m_dst, peer), m_run[r], peer_inbound)
                     ptx.push_f32(ptx.map_peer(l_dst, peer), l_run, peer_inbound)
         ptx.mbarrier_wait_cluster(inbound, 0)  # every source's partial of these columns
-        self.merge(mScales, mLatent, mLse, sInbox, sStats, tile, split, b, tid)
+        self.merge(mScales, mLatent, mLse, sInbox, sStats, tile, split, b, heads, tid)
 
     @cute.jit
     def load_row(self, rows_base, limit, c, lane, slot):
@@ -338,8 +346,11 @@ class SparseDecode:
         return row
 
     @cute.jit
-    def gather(self, mKV: cute.Pointer, sKV, sLive, bar, row, mine, c, n_rows, lane, slot):
-        """Chunk c's cache rows into sKV (bulk copies on ``bar``; the thread of slot t: key t).
+    def gather(
+        self, mKV: cute.Pointer, sKV, sLive, bar, row, mine, c, n_rows, row_bytes, lane, slot
+    ):
+        """Chunk c's cache rows into sKV (bulk copies on ``bar``; the thread of slot t: key t):
+        the first ROW bytes of each row, rows ``row_bytes`` apart in the cache.
 
         Skipped keys (out of range) and key slots past the chunk's count up to a 32-key step
         get a zero V row; every slot arrives on ``bar`` (copies with their row's bytes)."""
@@ -348,7 +359,7 @@ class SparseDecode:
         live = (slot < count) & (row >= 0) & (row < n_rows)
         if live:
             ptx.mbarrier_arrive_expect_tx(bar, ROW)
-            ptx.copy_g2s(sKV + slot * PITCH, mKV.toint() + Int64(row) * ROW, ROW, bar)
+            ptx.copy_g2s(sKV + slot * PITCH, mKV.toint() + Int64(row) * row_bytes, ROW, bar)
         elif lane < SLOTS:
             if slot < span:
                 # V of a skipped or absent key: zero (its P is zero; stale bytes may be NaN).
@@ -360,9 +371,9 @@ class SparseDecode:
             ptx.store_shared_u32(sLive + 4 * slot, Int32(live))
 
     @cute.jit
-    def load_query(self, mQ: cute.Pointer, b, tile, tid):
+    def load_query(self, mQ: cute.Pointer, b, tile, heads, tid):
         """This thread's 16-byte pieces of the tile's 16 query rows (generic loads)."""
-        q_base = mQ.toint() + Int64(b * self.heads + tile * HEADS) * ROW
+        q_base = mQ.toint() + (Int64(b) * heads + tile * HEADS) * ROW
         words = []
         for i in cutlass.range_constexpr(QUERY_STEPS):
             flat = min(tid + THREADS * i, Int32(HEADS * (ROW // 16) - 1))
@@ -391,6 +402,7 @@ class SparseDecode:
         tile,
         split,
         b,
+        heads,
         tid,
     ):
         """Columns split * COLS .. + COLS of the 16 heads over the cluster's FP32 partials:
@@ -419,10 +431,10 @@ class SparseDecode:
             nonempty, top - Float32(LOG2_P_SCALE) + cute.math.log2(total, fastmath=False), neg_inf
         )
         inverse = ptx.where(nonempty, out_scale / total, 0.0)
-        gh = b * self.heads + tile * HEADS + head
+        gh = Int64(b) * heads + tile * HEADS + head
         col = split * COLS + 4 * lane
         w0 = ptx.bf16x2(merged[0] * inverse, merged[1] * inverse)
         w1 = ptx.bf16x2(merged[2] * inverse, merged[3] * inverse)
-        ptx.store_global_v2(mLatent.toint() + (Int64(gh) * LATENT + col) * 2, w0, w1)
+        ptx.store_global_v2(mLatent.toint() + (gh * LATENT + col) * 2, w0, w1)
         if (split == 0) & (lane == 0):
-            ptx.store_global_f32(mLse.toint() + Int64(gh) * 4, lse2 * Float32(LN2))
+            ptx.store_global_f32(mLse.toint() + gh * 4, lse2 * Float32(LN2))

@@ -76,11 +76,14 @@ class CubinKernel:
         attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         check(cu.cuFuncSetAttribute(self.function, attribute, meta["smem_bytes"]))
 
-    def launch(self, stream, pointers: list[int], n_rows: int) -> None:
-        """Launch with the ABI's seven device pointers and n_rows."""
+    def launch(self, stream, pointers: list[int], sizes: tuple[int, ...], batch: int) -> None:
+        """Launch with the ABI's seven device pointers and four sizes (n_rows, width, heads,
+        row_bytes) over the grid of ``batch`` rows, as the FFI handler computes it."""
         meta = self.meta
+        heads = sizes[2]
         config = cu.CUlaunchConfig()
-        config.gridDimX, config.gridDimY, config.gridDimZ = meta["grid"]
+        config.gridDimX = heads // meta["head_tile"] * meta["cluster"][0]
+        config.gridDimY, config.gridDimZ = batch, 1
         config.blockDimX, config.blockDimY, config.blockDimZ = meta["block"]
         config.sharedMemBytes = meta["smem_bytes"]
         config.hStream = stream
@@ -93,18 +96,18 @@ class CubinKernel:
         pdl.value.programmaticStreamSerializationAllowed = 1
         config.attrs = [cluster, pdl]
         config.numAttrs = 2
-        values = (*pointers, n_rows)
-        types = (ctypes.c_void_p,) * len(pointers) + (ctypes.c_int,)
+        values = (*pointers, *sizes)
+        types = (ctypes.c_void_p,) * len(pointers) + (ctypes.c_int,) * len(sizes)
         check(cu.cuLaunchKernelEx(config, self.function, (values, types), 0))
 
 
 def run_decode(context: Context, kernel: CubinKernel, q, kv, rows, valid, scales):
-    """Run one decode: numpy q [B, Hp, 576] / kv [N, 576] (FP8), rows [B, K], valid [B],
+    """Run one decode: numpy q [B, Hp, 576] / kv [N, W] (FP8, W >= 576), rows [B, K], valid [B],
     scales [2] -> latent [B, Hp, 512] (uint16 BF16 bits), lse [B, Hp] float32.
 
     The outputs are pre-filled with 0xFF bytes (NaN) so that unwritten elements show."""
     batch, heads, _ = q.shape
-    n_rows = kv.shape[0]
+    sizes = (kv.shape[0], rows.shape[1], heads, kv.shape[1])
     inputs = [
         Buffer(q.view(np.uint8)),
         Buffer(kv.view(np.uint8)),
@@ -118,7 +121,7 @@ def run_decode(context: Context, kernel: CubinKernel, q, kv, rows, valid, scales
     lse.fill(0xFF)
     buffers = [*inputs, latent, lse]
     try:
-        kernel.launch(context.stream, [buf.address for buf in buffers], n_rows)
+        kernel.launch(context.stream, [buf.address for buf in buffers], sizes, batch)
         context.synchronize()
         return latent.download(), lse.download()
     finally:

@@ -4,7 +4,8 @@
         python3 tests/gpu/sanitize_decode.py
 
 Covers empty rows, counts below 0 and above K, out-of-range and boundary rows, duplicates,
-and garbage past each count, on a small cache so that a stray read would leave it.
+garbage past each count and rows padded past 576 bytes, on a small cache so that a stray
+read would leave it.
 """
 
 import jax
@@ -16,10 +17,10 @@ import jax_sparse_mla
 
 def main() -> None:
     rng = np.random.default_rng(0)
-    for batch, heads, width in ((4, 20, 64), (5, 96, 2048)):
+    for batch, heads, width, row_bytes in ((4, 20, 64, 576), (5, 96, 2048, 576), (5, 40, 333, 640)):
         cache_rows = 300
         q = jnp.asarray(rng.standard_normal((batch, heads, 576)), jnp.float8_e4m3fn)
-        kv = jnp.asarray(rng.standard_normal((cache_rows, 576)), jnp.float8_e4m3fn)
+        kv = jnp.asarray(rng.standard_normal((cache_rows, row_bytes)), jnp.float8_e4m3fn)
         rows = rng.integers(0, cache_rows, (batch, width)).astype(np.int32)
         rows[0, :6] = [-1, cache_rows, 2**31 - 1, -(2**31), cache_rows - 1, 0]
         rows[1, :] = 5  # one row repeated
@@ -31,7 +32,7 @@ def main() -> None:
         _, lse = jax.block_until_ready(decode(q, kv, jnp.asarray(rows), jnp.asarray(valid)))
         assert np.all(np.asarray(lse)[3] == -np.inf), "valid < 0 must give an empty row"
         assert np.all(np.isfinite(np.asarray(lse)[:3]))
-        print(f"B={batch} H={heads} K={width}: ok", flush=True)
+        print(f"B={batch} H={heads} K={width} W={row_bytes}: ok", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,12 +1,12 @@
 """The FFI custom call on a Hopper GPU: handler plumbing, kernel vs reference, loops, export.
 
-Run on the H200 with the handler built (``pip install --no-build-isolation --no-deps -e .``)
-and cubins cached (``JAX_SPARSE_MLA_CACHE_DIR``, filled by ``python -m jax_sparse_mla.aot``
-where the DSL is missing):  ``python -m pytest -m gpu tests/gpu/test_ffi_gpu.py``.
+Run on the H200 with the package installed from a wheel (handler and shipped cubins; no DSL
+needed): ``python -m pytest -m gpu tests/gpu/test_ffi_gpu.py``.
 
 The probe test launches a small nvcc-built cubin with the kernel's parameter ABI through the
-handler and checks its exactly predictable output, which pins the pointers, n_rows, grid,
-cluster and dynamic shared memory independently of the real kernel's numerics.
+handler and checks its exactly predictable output, which pins the pointers, the four sizes
+(n_rows, width, heads, row_bytes), the grid the handler computes from the buffer shapes, the
+cluster and the dynamic shared memory independently of the real kernel's numerics.
 """
 
 from __future__ import annotations
@@ -23,6 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # truth.py
+
+from truth import lse_tolerance, truth_decode
+
 import jax_sparse_mla
 from jax_sparse_mla import cuda_lowering
 from jax_sparse_mla.kernel import compile as kernel_compile
@@ -37,10 +41,11 @@ PROBE_SOURCE = r"""
 #include <cstdint>
 #include <cuda_bf16.h>
 // latent[b, h, c] = (q[b, h, c] % 64) * scales[1] + cluster size;
-// lse[b, h] = sum over the row's readable keys of (kv[row, h % 576] + 1).
+// lse[b, h] = sum over the row's readable keys of (kv[row, (h + 600) % row_bytes] + 1).
 extern "C" __global__ void __launch_bounds__(512) probe(
     const uint8_t* q, const uint8_t* kv, const int32_t* rows, const int32_t* valid,
-    const float* scales, __nv_bfloat16* latent, float* lse, int32_t n_rows) {
+    const float* scales, __nv_bfloat16* latent, float* lse, int32_t n_rows, int32_t width,
+    int32_t heads, int32_t row_bytes) {
   extern __shared__ uint8_t smem[];
   asm volatile("griddepcontrol.wait;" ::: "memory");
   unsigned cluster;
@@ -49,7 +54,8 @@ extern "C" __global__ void __launch_bounds__(512) probe(
   smem[SMEM - 1 - threadIdx.x] = 2;
   __syncthreads();
   const int b = blockIdx.y, group = blockIdx.x / cluster, part = blockIdx.x % cluster;
-  const int heads = gridDim.x / cluster * 16, cols = 512 / cluster;
+  if (gridDim.x != heads / 16 * cluster || heads % 16 != 0) __trap();
+  const int cols = 512 / cluster;
   for (int i = threadIdx.x; i < 16 * cols; i += blockDim.x) {
     const int h = group * 16 + i / cols, c = part * cols + i % cols;
     const float x = float(q[(size_t(b) * heads + h) * 576 + c] % 64) * scales[1] + cluster;
@@ -58,11 +64,13 @@ extern "C" __global__ void __launch_bounds__(512) probe(
   }
   if (part == 0 && threadIdx.x < 16) {
     const int h = group * 16 + threadIdx.x;
-    const int count = min(max(valid[b], 0), WIDTH);
+    const int count = min(max(valid[b], 0), width);
     float sum = 0.f;
     for (int j = 0; j < count; ++j) {
-      const int row = rows[size_t(b) * WIDTH + j];
-      if (row >= 0 && row < n_rows) sum += float(kv[size_t(row) * 576 + h % 576]) + 1.f;
+      const int row = rows[size_t(b) * width + j];
+      if (row >= 0 && row < n_rows) {
+        sum += float(kv[size_t(row) * row_bytes + (h + 600) % row_bytes]) + 1.f;
+      }
     }
     lse[size_t(b) * heads + h] = sum;
   }
@@ -70,10 +78,10 @@ extern "C" __global__ void __launch_bounds__(512) probe(
 """
 
 
-def _inputs(seed, batch, heads, width, n_rows, counts=COUNTS):
+def _inputs(seed, batch, heads, width, n_rows, counts=COUNTS, row_bytes=576):
     rng = np.random.default_rng(seed)
     q = rng.uniform(-2, 2, (batch, heads, 576)).astype(jnp.float8_e4m3fn)
-    kv = rng.uniform(-2, 2, (n_rows, 576)).astype(jnp.float8_e4m3fn)
+    kv = rng.uniform(-2, 2, (n_rows, row_bytes)).astype(jnp.float8_e4m3fn)
     # Out-of-range rows (negative and >= N) and duplicates (small N, repeated picks).
     rows = rng.integers(-8, n_rows + 8, (batch, width)).astype(np.int32)
     rows[:, 1::7] = rows[:, 0:1]
@@ -98,10 +106,9 @@ def _decode(implementation, **scales):
     return jax.jit(fn)
 
 
-def _kernel_or_skip(batch, heads, width):
-    padded = -(-heads // 16) * 16
+def _kernel_or_skip():
     try:
-        return kernel_compile.get_kernel(KernelConfig(batch=batch, heads=padded, width=width))
+        return kernel_compile.get_kernel(KernelConfig())
     except KernelUnavailableError as err:
         pytest.skip(f"no cubin: {err}")
 
@@ -118,20 +125,20 @@ def test_probe_cubin_through_handler(tmp_path, monkeypatch):
     nvcc = shutil.which("nvcc")
     if nvcc is None:
         pytest.skip("nvcc is needed to build the probe cubin")
-    batch, heads, width, n_rows, smem = 5, 40, 64, 300, 200 * 1024
+    batch, heads, width, n_rows, smem, row_bytes = 5, 40, 64, 300, 200 * 1024, 640
     source = tmp_path / "probe.cu"
     source.write_text(PROBE_SOURCE)
     cubin = tmp_path / "probe.cubin"
     subprocess.run(
-        [nvcc, "-cubin", "-gencode=arch=compute_90a,code=sm_90a", f"-DWIDTH={width}",
-         f"-DSMEM={smem}", "-o", str(cubin), str(source)],
+        [nvcc, "-cubin", "-gencode=arch=compute_90a,code=sm_90a", f"-DSMEM={smem}", "-o",
+         str(cubin), str(source)],
         check=True,
     )  # fmt: skip
 
     def probe_kernel(config):
         meta = {
             "kernel_name": "probe",
-            "grid": list(config.grid),
+            "head_tile": config.head_tile,
             "block": list(config.block),
             "cluster": list(config.cluster),
             "smem_bytes": smem,
@@ -141,7 +148,9 @@ def test_probe_cubin_through_handler(tmp_path, monkeypatch):
 
     monkeypatch.setattr(kernel_compile, "get_kernel", probe_kernel)
     jax.clear_caches()
-    q, kv, rows, valid = _inputs(0, batch, heads, width, n_rows, counts=(0, 1, 33, 64, 99))
+    q, kv, rows, valid = _inputs(
+        0, batch, heads, width, n_rows, counts=(0, 1, 33, 64, 99), row_bytes=row_bytes
+    )
     latent, lse = _decode("cute", kv_scale=0.5)(q, kv, rows, valid)
     jax.clear_caches()
 
@@ -153,7 +162,7 @@ def test_probe_cubin_through_handler(tmp_path, monkeypatch):
     for b in range(batch):
         for row in rows_np[b, : min(max(valid_np[b], 0), width)]:
             if 0 <= row < n_rows:
-                want_lse[b] += kv8[row, :heads].astype(np.float32) + 1
+                want_lse[b] += kv8[row, 600 : 600 + heads].astype(np.float32) + 1
     np.testing.assert_array_equal(np.asarray(lse), want_lse)
 
 
@@ -161,7 +170,7 @@ def test_probe_cubin_through_handler(tmp_path, monkeypatch):
 @pytest.mark.parametrize("batch", [1, 5, 64])
 def test_kernel_matches_reference(batch, heads):
     width, n_rows = 2048, 3000
-    _kernel_or_skip(batch, heads, width)
+    _kernel_or_skip()
     args = _inputs(batch * 1000 + heads, batch, heads, width, n_rows)
     scales = {"q_scale": 0.75, "kv_scale": 1.5}
     text = _decode("cute", **scales).trace(*args).lower().as_text()
@@ -183,9 +192,48 @@ def test_kernel_matches_reference(batch, heads):
     assert np.all(np.asarray(latent, np.float32)[empty] == 0)
 
 
+@pytest.fixture
+def shipped_only(monkeypatch, tmp_path):
+    """The shipped cubins are the only source: empty disk cache, DSL unimportable."""
+    assert kernel_compile.shipped_dir() is not None, "the installed package ships no cubins"
+    monkeypatch.setitem(sys.modules, "cutlass", None)
+    monkeypatch.setattr(kernel_compile, "dsl_version", lambda: None)
+    monkeypatch.setattr(kernel_compile, "_MEMORY", {})
+    monkeypatch.setenv("JAX_SPARSE_MLA_CACHE_DIR", str(tmp_path / "empty"))
+    jax.clear_caches()
+    yield
+    assert not list(tmp_path.glob("empty/*")), "nothing is compiled or cached"
+    jax.clear_caches()
+
+
+# (batch, heads, width, cache rows, row bytes W): shapes no cubin was ever compiled for.
+ODD_SHAPES = [(7, 40, 333, 50_000, 640), (1, 1, 1, 10, 576), (300, 20, 70, 4000, 592),
+              (3, 112, 2048, 9000, 640)]  # fmt: skip
+
+
+@pytest.mark.parametrize("shape", ODD_SHAPES, ids=lambda s: "b{}-h{}-k{}-n{}-w{}".format(*s))
+def test_shipped_cubin_runs_odd_shapes(shipped_only, shape):
+    batch, heads, width, n_rows, row_bytes = shape
+    q, kv, rows, valid = _inputs(sum(shape), batch, heads, width, n_rows, row_bytes=row_bytes)
+    kv = kv.at[:, 576:].set(jnp.nan)  # padding bytes: NaN, never read
+    scales = {"q_scale": 0.75, "kv_scale": 1.5}
+    fn = _decode("cute", **scales)
+    assert cuda_lowering.FFI_TARGET in fn.trace(q, kv, rows, valid).lower().as_text()
+    latent, lse = fn(q, kv, rows, valid)
+    want, want_lse, bound = truth_decode(
+        q, np.asarray(kv)[:, :576], rows, valid, softmax_scale=SOFTMAX_SCALE, **scales
+    )
+    got = np.asarray(latent, np.float64)
+    assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want) - bound))
+    empty = np.isneginf(want_lse)
+    lse = np.asarray(lse, np.float64)
+    assert np.array_equal(np.isneginf(lse), empty) and np.all(got[empty] == 0)
+    assert np.all(np.abs(lse[~empty] - want_lse[~empty]) <= lse_tolerance(want_lse[~empty]))
+
+
 def test_exported_executable_runs():
     args = _inputs(7, 5, 96, 2048, 5000)
-    _kernel_or_skip(5, 96, 2048)
+    _kernel_or_skip()
     jitted = _decode("cute")
     exported = jax.export.export(jitted, disabled_checks=cuda_lowering.export_disabled_checks())(
         *args
@@ -251,7 +299,7 @@ def test_loops_with_command_buffers_are_identical():
     XLA captured the loop into a CUDA graph is not asserted: recent XLA converts thunks to
     command buffers after HLO, so the compiled HLO text does not show it.
     """
-    _kernel_or_skip(5, 96, 2048)
+    _kernel_or_skip()
     env = dict(os.environ)
     env["XLA_FLAGS"] = (
         env.get("XLA_FLAGS", "")
