@@ -20,6 +20,30 @@ speculative-decode verify step, with random weights (nothing is downloaded):
 Then it checks the layer output against a dense float32 attention over the same selected keys
 (dequantized FP8 query and cache, exact softmax) and times the jitted step: on a GPU the
 CuTe kernel path and the pure-jnp reference path side by side, on a CPU the reference only.
+Each phase of the step is a ``jax.named_scope``: cache_write (1), query (2), indexer_scores
+and topk (3), sparse_decode (4), output_projection (5).
+
+Output, per path:
+
+    CHECK <path>: ...        the layer output's relative error vs the dense attention
+    TIME <path>: ...         the jitted step's wall clock incl. dispatch (host work and
+                             launches included: not a measure of the GPU work)
+    GPU step, <path> path (/device:GPU:N): median [p10, p90] GPU time per step over
+                             --profile-calls profiled steps (GPU only), then a table per GPU:
+      phase  us/step  share  median us  events
+                             the time of the kernels and copies (CUPTI records from the
+                             JAX profiler) of each phase, "collectives" under DCP (their
+                             time includes waiting for the other ranks) and "other" (what
+                             no phase claims); the rows add up to the step's total
+                             (examples/phase_times.py says how events are attributed)
+
+and at the end, on a GPU, per device:
+
+    GPU TIME sparse_decode (...): kernel path X us vs reference path Y us per step
+    GPU TIME whole step (...): ...   (and "collectives" under DCP)
+    RESULT: PASS | FAIL
+
+On a CPU the GPU lines are replaced by a line saying that they need a GPU.
 
 Run (from the repository root):
 
@@ -53,6 +77,9 @@ ROPE_THETA = 50000.0
 NORM_EPS = 1e-6
 MESH_AXIS = "dcp"
 KERNEL_TARGET = "jax_sparse_mla_decode"  # the kernel's XLA custom call (cuda_lowering.FFI_TARGET)
+# The step's phases: jax.named_scope names in the step, rows of the GPU time table (plus
+# "collectives" under DCP and "other" for what no phase claims).
+PHASES = ("cache_write", "query", "indexer_scores", "topk", "sparse_decode", "output_projection")
 
 # Relative error (Frobenius, over all verify rows) of the layer output against the dense
 # float32 attention over the same keys. Both sides read the same FP8 query and cache, so the
@@ -91,6 +118,11 @@ try:
 except ModuleNotFoundError:  # run from a checkout without installing: the package is one up
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import jax_sparse_mla
+try:
+    import phase_times
+except ModuleNotFoundError:  # imported from elsewhere (the tests): it sits next to this file
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import phase_times
 
 
 @dataclasses.dataclass(frozen=True)
@@ -269,14 +301,17 @@ def index_topk(
     """DSA indexer: exact top-k token ids [R, K] per verify row, -1 where a row has fewer
     than K visible tokens. score[t] = sum_h w_h * relu(q_h . k_t), tokens t <= position."""
     heads, head_dim = w["wi_q"].shape[1:]
-    q = rope_head(dot(q_a, w["wi_q"], "rq,qhk->rhk"), positions[:, None])
-    head_weights = dot(x, w["wi_w"], "rd,dh->rh") * (heads * head_dim) ** -0.5
-    keys = cache.index_keys.astype(jnp.float32) * cache.index_scale
-    logits = jnp.einsum("rhk,tk->rht", q, keys)
-    scores = jnp.einsum("rh,rht->rt", head_weights, jax.nn.relu(logits))
-    visible = jnp.arange(keys.shape[0])[None, :] <= positions[:, None]
-    values, tokens = lax.top_k(jnp.where(visible, scores, -jnp.inf), topk)
-    return jnp.where(values > -jnp.inf, tokens, -1).astype(jnp.int32)
+    with jax.named_scope("indexer_scores"):
+        q = rope_head(dot(q_a, w["wi_q"], "rq,qhk->rhk"), positions[:, None])
+        head_weights = dot(x, w["wi_w"], "rd,dh->rh") * (heads * head_dim) ** -0.5
+        keys = cache.index_keys.astype(jnp.float32) * cache.index_scale
+        logits = jnp.einsum("rhk,tk->rht", q, keys)
+        scores = jnp.einsum("rh,rht->rt", head_weights, jax.nn.relu(logits))
+        visible = jnp.arange(keys.shape[0])[None, :] <= positions[:, None]
+        scores = jnp.where(visible, scores, -jnp.inf)
+    with jax.named_scope("topk"):
+        values, tokens = lax.top_k(scores, topk)
+        return jnp.where(values > -jnp.inf, tokens, -1).astype(jnp.int32)
 
 
 def output_projection(w_uv: jax.Array, wo: jax.Array, latent: jax.Array) -> jax.Array:
@@ -298,31 +333,36 @@ def make_step(
 
     def step(w: dict, cache: Cache, x: jax.Array, pos: jax.Array):
         positions = pos + jnp.arange(x.shape[0], dtype=jnp.int32)
-        kv_new, index_new = cache_entries(w, x, positions)
-        kv_new = to_fp8(kv_new, cache.kv_scale)
-        index_keys = cache.index_keys.at[positions].set(to_fp8(index_new, cache.index_scale))
-        cache = cache._replace(index_keys=index_keys)
+        with jax.named_scope("cache_write"):
+            kv_new, index_new = cache_entries(w, x, positions)
+            kv_new = to_fp8(kv_new, cache.kv_scale)
+            index_keys = cache.index_keys.at[positions].set(to_fp8(index_new, cache.index_scale))
+            cache = cache._replace(index_keys=index_keys)
 
-        q, q_a = absorbed_query(w, x, positions)
-        q_scale = fp8_scale(q)
-        q = to_fp8(q, q_scale)
+        with jax.named_scope("query"):
+            q, q_a = absorbed_query(w, x, positions)
+            q_scale = fp8_scale(q)
+            q = to_fp8(q, q_scale)
         tokens = index_topk(w, x, q_a, cache, positions, cfg.index_topk)
 
         if mesh is None:
-            kv = cache.kv.at[positions].set(kv_new)
-            # lax.top_k sorts descending, so a row's visible tokens come first.
-            valid = jnp.sum(tokens >= 0, axis=1, dtype=jnp.int32)
-            latent, _ = jax_sparse_mla.decode(
-                q,
-                kv,
-                tokens,
-                valid,
-                softmax_scale=cfg.softmax_scale,
-                q_scale=q_scale,
-                kv_scale=cache.kv_scale,
-                implementation=implementation,
-            )
-            out = output_projection(w["w_uv"], w["wo"], latent)
+            with jax.named_scope("cache_write"):
+                kv = cache.kv.at[positions].set(kv_new)
+            with jax.named_scope("sparse_decode"):
+                # lax.top_k sorts descending, so a row's visible tokens come first.
+                valid = jnp.sum(tokens >= 0, axis=1, dtype=jnp.int32)
+                latent, _ = jax_sparse_mla.decode(
+                    q,
+                    kv,
+                    tokens,
+                    valid,
+                    softmax_scale=cfg.softmax_scale,
+                    q_scale=q_scale,
+                    kv_scale=cache.kv_scale,
+                    implementation=implementation,
+                )
+            with jax.named_scope("output_projection"):
+                out = output_projection(w["w_uv"], w["wo"], latent)
         else:
             out, kv, latent = dcp_attention(
                 cfg, mesh, implementation, w, cache, kv_new, positions, q, q_scale, tokens
@@ -351,23 +391,26 @@ def dcp_attention(
 
     def per_rank(kv_local, kv_new, q_own, tokens, q_scale, kv_scale, w_uv_own, wo_own):
         rank = lax.axis_index(MESH_AXIS)
-        local_n = kv_local.shape[0]
-        mine = positions % dcp == rank
-        slots = jnp.where(mine, positions // dcp, local_n)  # local_n: dropped
-        kv_local = kv_local.at[slots].set(kv_new, mode="drop")
-        rows, valid = jax_sparse_mla.local_rows(tokens, rank=rank, dcp_size=dcp)
-        latent, _ = jax_sparse_mla.dcp_decode(
-            q_own,
-            kv_local,
-            rows,
-            valid,
-            axis_name=MESH_AXIS,
-            softmax_scale=cfg.softmax_scale,
-            q_scale=q_scale,
-            kv_scale=kv_scale,
-            implementation=implementation,
-        )
-        out = lax.psum(output_projection(w_uv_own, wo_own, latent), MESH_AXIS)
+        with jax.named_scope("cache_write"):
+            local_n = kv_local.shape[0]
+            mine = positions % dcp == rank
+            slots = jnp.where(mine, positions // dcp, local_n)  # local_n: dropped
+            kv_local = kv_local.at[slots].set(kv_new, mode="drop")
+        with jax.named_scope("sparse_decode"):  # its all-gather / all-to-all: "collectives"
+            rows, valid = jax_sparse_mla.local_rows(tokens, rank=rank, dcp_size=dcp)
+            latent, _ = jax_sparse_mla.dcp_decode(
+                q_own,
+                kv_local,
+                rows,
+                valid,
+                axis_name=MESH_AXIS,
+                softmax_scale=cfg.softmax_scale,
+                q_scale=q_scale,
+                kv_scale=kv_scale,
+                implementation=implementation,
+            )
+        with jax.named_scope("output_projection"):
+            out = lax.psum(output_projection(w_uv_own, wo_own, latent), MESH_AXIS)
         return out, kv_local, latent
 
     heads = P(None, MESH_AXIS, None)
@@ -471,8 +514,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         epilog=(
             f"Fixed by the FP8 cache layout: kv_lora_rank {KV_LORA_RANK}, qk_rope_dim "
             f"{QK_ROPE_DIM} (cache rows of {CACHE_WIDTH} bytes). Size flags override the preset "
-            f"(Kimi-K3 class by default, --small for a tiny layer). Exit status 1 when the "
-            f"dense check fails."
+            f"(Kimi-K3 class by default, --small for a tiny layer). Wall-clock lines (TIME) "
+            f"include dispatch; GPU time per phase (GPU lines) comes from the JAX profiler, on "
+            f"a GPU only. Exit status 1 when the dense check fails."
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -513,10 +557,17 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--iters",
         type=int,
         default=None,
-        help="timed iterations (default 50 on GPU, 5 on CPU; 0 skips timing)",
+        help="wall-clock timed calls (default 50 on GPU, 5 on CPU; 0 skips the wall clock)",
     )
     parser.add_argument(
-        "--warmup", type=int, default=3, help="untimed calls before timing (default 3)"
+        "--warmup", type=int, default=3, help="untimed calls before the wall clock (default 3)"
+    )
+    parser.add_argument(
+        "--profile-calls",
+        type=int,
+        default=30,
+        help="GPU only: steps run under the JAX profiler for the GPU time per phase "
+        "(default 30; 0 skips; ignored on CPU)",
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of weights and inputs (default 0)"
@@ -530,8 +581,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.config = LayerConfig(**sizes)
     if min(sizes.values()) < 1 or args.verify_rows < 1 or args.dcp < 1:
         parser.error(f"sizes, --verify-rows and --dcp must be positive: {sizes}")
-    if (args.context is not None and args.context < 1) or min(args.iters or 0, args.warmup) < 0:
-        parser.error("--context must be positive, --iters and --warmup not negative")
+    if (args.context is not None and args.context < 1) or min(
+        args.iters or 0, args.warmup, args.profile_calls
+    ) < 0:
+        parser.error("--context must be positive, --iters, --warmup, --profile-calls not negative")
     if args.config.index_head_dim < QK_ROPE_DIM or args.config.index_head_dim % 2:
         parser.error(f"--index-head-dim must be even and >= {QK_ROPE_DIM}")
     if args.config.heads % args.dcp:
@@ -585,7 +638,9 @@ def place(tree: Any, mesh: jax.sharding.Mesh | None, specs: Any) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Runs the example; returns {"passed", "rel_error", "paths", "timings"}."""
+    """Runs the example; returns {"passed", "rel_error", "paths", "timings" (wall clock
+    seconds per path), "gpu_times" (per path: {device plane: phase_times.PhaseTimes}, GPU
+    only)}."""
     global _T0
     _T0 = time.perf_counter()
     args = parse_args(argv)
@@ -629,16 +684,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     weight_specs = {name: P() for name in weights}
     weight_specs.update(w_uv=P(MESH_AXIS), wo=P(MESH_AXIS))
     weights = place(weights, mesh, weight_specs)
+    x, pos = place((x, pos), mesh, (P(), P()))  # replicated once, not copied at every call
     cache_specs = Cache(P(MESH_AXIS, None), P(), P(), P())
 
     paths = ["kernel", "reference"] if on_gpu else ["reference"]
     if not on_gpu:
         log(f"on {platform}: only the pure-jnp reference path runs (the kernel needs a GPU)")
-    results: dict[str, Any] = {"passed": True, "rel_error": {}, "paths": [], "timings": {}}
+    results: dict[str, Any] = {
+        "passed": True,
+        "rel_error": {},
+        "paths": [],
+        "timings": {},
+        "gpu_times": {},
+    }
     for path in paths:
         step_cache = place(jax.tree.map(jnp.copy, cache), mesh, cache_specs)
         try:
-            error, median = run_path(path, cfg, mesh, weights, step_cache, x, pos, args, iters)
+            error, median, gpu_times = run_path(
+                path, cfg, mesh, weights, step_cache, x, pos, args, iters
+            )
         except Exception as failure:  # the kernel path: say loudly why, then run the reference
             if path != "kernel":
                 raise
@@ -659,12 +723,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         results["passed"] &= bool(error <= TOLERANCE)
         if median is not None:
             results["timings"][path] = median
+        if gpu_times:
+            results["gpu_times"][path] = gpu_times
 
     if on_gpu and "kernel" not in results["paths"]:
         banner(["NO KERNEL: the step ran on the pure-jnp reference path only"])
-    if {"kernel", "reference"} <= results["timings"].keys():
-        speedup = results["timings"]["reference"] / results["timings"]["kernel"]
-        print(f"TIME kernel vs reference: {speedup:.2f}x for the whole step", flush=True)
+    if not on_gpu:
+        print(
+            f"GPU TIME: GPU time per phase needs a GPU (this run: {platform}); the TIME "
+            f"lines above are wall clock incl. dispatch",
+            flush=True,
+        )
+    elif {"kernel", "reference"} <= results["gpu_times"].keys():
+        print_headline(results["gpu_times"]["kernel"], results["gpu_times"]["reference"])
     print(f"RESULT: {'PASS' if results['passed'] else 'FAIL'}", flush=True)
     return results
 
@@ -679,9 +750,10 @@ def run_path(
     pos: jax.Array,
     args: argparse.Namespace,
     iters: int,
-) -> tuple[float, float | None]:
+) -> tuple[float, float | None, dict[str, phase_times.PhaseTimes] | None]:
     """Compiles, checks and times the step on one path ("kernel": implementation='cute',
-    "reference"); returns (relative error, median seconds or None)."""
+    "reference"); returns (relative error, wall-clock median seconds or None, GPU time per
+    phase per device plane or None)."""
     implementation = "cute" if path == "kernel" else "reference"
     platform = jax.devices()[0].platform
     log(f"compiling the step ({path} path, implementation={implementation!r}) ...")
@@ -710,22 +782,66 @@ def run_path(
         f"{'PASS' if error <= TOLERANCE else 'FAIL'}",
         flush=True,
     )
-    if iters == 0:
-        return error, None
-
     state = {"cache": cache}
 
     def call() -> jax.Array:
         out, state["cache"], _ = compiled(weights, state["cache"], x, pos)
         return out
 
-    median, low, high = median_time(call, args.warmup, iters)
-    print(
-        f"TIME {path}: jitted step median {seconds(median)} (min {seconds(low)}, max "
-        f"{seconds(high)}) over {iters} calls, wall clock incl. dispatch",
-        flush=True,
-    )
-    return error, median
+    median = None
+    if iters > 0:
+        median, low, high = median_time(call, args.warmup, iters)
+        print(
+            f"TIME {path}: jitted step median {seconds(median)} (min {seconds(low)}, max "
+            f"{seconds(high)}) over {iters} calls, wall clock incl. dispatch",
+            flush=True,
+        )
+    if platform != "gpu" or args.profile_calls == 0:
+        return error, median, None
+    return error, median, profile_phases(path, compiled.as_text(), call, args.profile_calls)
+
+
+def profile_phases(
+    path: str, hlo_text: str, call: Callable[[], jax.Array], calls: int
+) -> dict[str, phase_times.PhaseTimes] | None:
+    """Profiles `calls` steps and prints each GPU's time per phase; None (and a banner
+    saying why) when the profile cannot be read: the numeric check stands either way."""
+    log(f"  profiling {calls} steps ({path} path) for the GPU time per phase ...")
+    try:
+        ops = phase_times.instruction_phases(hlo_text, PHASES)
+        missing = [phase for phase in PHASES if phase not in ops.phases_present()]
+        if missing:
+            log(f"  note: no instruction of the compiled step is in phase(s) {missing}")
+        times = phase_times.profile(call, calls, ops, PHASES)
+    except Exception as failure:
+        banner(
+            [f"GPU PHASE TIMES UNAVAILABLE ({path} path)", f"{type(failure).__name__}: {failure}"]
+        )
+        return None
+    for _, device_times in sorted(times.items()):
+        print(phase_times.summary_line(f"step, {path} path", device_times), flush=True)
+        print("\n".join(phase_times.format_table(device_times)), flush=True)
+    return times
+
+
+def print_headline(
+    kernel: dict[str, phase_times.PhaseTimes], reference: dict[str, phase_times.PhaseTimes]
+) -> None:
+    """GPU time per step, kernel vs reference, per device: the sparse decode, the collectives
+    (DCP only), the whole step. Medians over the profiled calls."""
+    rows = [("sparse_decode", "sparse_decode"), (phase_times.COLLECTIVES, "collectives")]
+    for device in sorted(kernel.keys() & reference.keys()):
+        k, r = kernel[device], reference[device]
+        for phase, label in [*rows, (None, "whole step")]:
+            if phase == phase_times.COLLECTIVES and not (k.events[phase] or r.events[phase]):
+                continue
+            k_us, r_us = k.median_us(phase), r.median_us(phase)
+            ratio = f"{r_us / k_us:.2f}x" if k_us > 0 else "n/a"
+            print(
+                f"GPU TIME {label} ({device}): kernel path {k_us:.1f} us vs reference path "
+                f"{r_us:.1f} us per step (reference / kernel {ratio})",
+                flush=True,
+            )
 
 
 def kernel_unavailable_error() -> type[Exception]:

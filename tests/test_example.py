@@ -45,7 +45,331 @@ def test_help_documents_every_flag(example, capsys):
         example.main(["--help"])
     assert exit_info.value.code == 0
     text = capsys.readouterr().out
-    for flag in ["--small", "--context", "--verify-rows", "--dcp", "--iters", "--warmup", "--seed"]:
+    flags = ["--small", "--context", "--verify-rows", "--dcp", "--iters", "--warmup", "--seed"]
+    for flag in [*flags, "--profile-calls"]:
         assert flag in text
+    # The output is documented: wall clock labelled as such, the GPU phase table's columns.
+    assert "wall clock incl. dispatch" in text
+    assert "phase  us/step  share  median us  events" in text
+    assert "GPU TIME sparse_decode" in text and "GPU TIME whole step" in text
+    for phase in example.PHASES:
+        assert phase in text
     for name in example.SIZE_FLAGS:
         assert "--" + name.replace("_", "-") in text
+
+
+def test_cpu_run_says_gpu_phase_times_need_a_gpu(example, capsys):
+    if jax.devices()[0].platform != "cpu":
+        pytest.skip("the CPU message; on a GPU the phase tables print instead")
+    result = example.main(SMALL)
+    out = capsys.readouterr().out
+    assert result["gpu_times"] == {}, out
+    assert "GPU time per phase needs a GPU (this run: cpu)" in out
+    assert "wall clock incl. dispatch" in out
+    assert "kernel vs reference" not in out  # no ratio of dispatch-bound wall clocks
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU time per phase (examples/phase_times.py): the parts that do not need a GPU
+# ---------------------------------------------------------------------------------------------
+
+# Opcodes that launch no work: left out of the "every instruction has a phase" check.
+NO_WORK = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"}
+
+
+def compiled_small_step(example, dcp):
+    """The --small step (reference path, context 60) compiled on CPU, and its arguments."""
+    cfg = example.SMALL
+    mesh = example.make_mesh(dcp)
+    weights = example.init_weights(cfg, seed=0)
+    specs = {name: example.P() for name in weights}
+    specs.update(w_uv=example.P(example.MESH_AXIS), wo=example.P(example.MESH_AXIS))
+    weights = example.place(weights, mesh, specs)
+    capacity = 80 * dcp
+    cache = example.build_cache(weights, 60, capacity, dcp, jax.random.key(1))
+    cache_specs = example.Cache(example.P(example.MESH_AXIS, None), *[example.P()] * 3)
+    cache = example.place(cache, mesh, cache_specs)
+    x = jax.numpy.ones((5, cfg.hidden), jax.numpy.bfloat16)
+    x, pos = example.place((x, jax.numpy.int32(60)), mesh, (example.P(), example.P()))
+    step = example.make_step(cfg, mesh, "reference")
+    return step.lower(weights, cache, x, pos).compile(), (weights, cache, x, pos)
+
+
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_every_phase_scope_reaches_the_compiled_hlo(example, dcp):
+    """Each declared phase names instructions of the compiled step; every instruction of the
+    entry computation that does work has a phase (collectives under DCP, and nothing else
+    under 'other' but the rank lookup)."""
+    if len(jax.devices()) < dcp:
+        pytest.skip(f"needs {dcp} devices")
+    phase_times = example.phase_times
+    compiled, _ = compiled_small_step(example, dcp)
+    text = compiled.as_text()
+    ops = phase_times.instruction_phases(text, example.PHASES)
+    assert ops.module == "jit_step"
+    present = ops.phases_present()
+    assert set(example.PHASES) <= present
+    _, computations = phase_times.parse_hlo(text)
+    (entry,) = [name for name in computations if name.startswith("main")]
+    unattributed = {
+        inst.opcode
+        for inst in computations[entry]
+        if inst.opcode not in NO_WORK and ops.phase[inst.name] == phase_times.OTHER
+    }
+    assert unattributed <= {"partition-id"}, unattributed
+    collectives = {
+        inst.opcode
+        for inst in computations[entry]
+        if ops.phase[inst.name] == phase_times.COLLECTIVES
+    }
+    if dcp == 1:
+        assert phase_times.COLLECTIVES not in present
+    else:  # dcp_decode's all-gather and all-to-all, the output projection's psum
+        assert {"all-gather", "all-to-all", "all-reduce"} <= collectives
+    top_k = [inst.name for inst in computations[entry] if inst.op_name.endswith("/top_k")]
+    assert top_k and {ops.phase[name] for name in top_k} == {"topk"}
+
+
+# A GPU-style compiled module: fusions (one without metadata whose fused ops are all in one
+# phase), a copy without metadata (placed by its operand), a cuBLAS custom call, a synchronous
+# and an async-wrapped collective.
+GPU_STYLE_HLO = """\
+HloModule jit_step, entry_computation_layout={(f32[4]{0})->(f32[8]{0}, f32[4]{0})}
+
+%fused_scores (param_0: f32[4]) -> f32[4] {
+  %param_0 = f32[4]{0} parameter(0)
+  ROOT %multiply.1 = f32[4]{0} multiply(%param_0, %param_0), metadata={op_name="jit(step)/indexer_scores/mul"}
+}
+
+%fused_select (param_0.1: f32[4]) -> f32[4] {
+  %param_0.1 = f32[4]{0} parameter(0)
+  ROOT %add.2 = f32[4]{0} add(%param_0.1, %param_0.1), metadata={op_name="jit(step)/topk/add" source_line=3}
+}
+
+%async_computation (param_0.2: f32[4]) -> f32[8] {
+  %param_0.2 = f32[4]{0} parameter(0)
+  ROOT %all-to-all.1 = f32[8]{0} all-to-all(%param_0.2), replica_groups={{0,1}}, dimensions={0}
+}
+
+ENTRY %main.9 (p0: f32[4]) -> (f32[8], f32[4]) {
+  %p0 = f32[4]{0} parameter(0)
+  %loop_multiply_fusion = f32[4]{0} fusion(%p0), kind=kLoop, calls=%fused_scores, metadata={op_name="jit(step)/indexer_scores/mul"}
+  %input_add_fusion.3 = f32[4]{0} fusion(%loop_multiply_fusion), kind=kLoop, calls=%fused_select
+  %copy.4 = f32[4]{0} copy(%input_add_fusion.3)
+  %custom-call.5 = (f32[4]{0}, s8[32]{0}) custom-call(%copy.4, %p0), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"alpha_real":1}}, metadata={op_type="dot_general" op_name="jit(step)/output_projection/rhv,hvd->rd/dot_general" source_file="kimi.py" source_line=12}
+  %get-tuple-element.6 = f32[4]{0} get-tuple-element(%custom-call.5), index=0
+  %all-gather-start = (f32[4]{0}, f32[8]{0}) all-gather-start(%get-tuple-element.6), replica_groups={{0,1}}, dimensions={0}, metadata={op_name="jit(step)/sparse_decode/all_gather"}
+  %all-gather-done = f32[8]{0} all-gather-done(%all-gather-start)
+  %all-to-all-start = ((f32[4]{0}), f32[8]{0}) async-start(%get-tuple-element.6), calls=%async_computation
+  %all-to-all-done = f32[8]{0} async-done(%all-to-all-start)
+  ROOT %tuple.7 = (f32[8]{0}, f32[4]{0}) tuple(%all-to-all-done, %input_add_fusion.3)
+}
+"""  # noqa: E501 (HLO text lines)
+
+
+def test_instruction_phases_of_a_gpu_style_module(example):
+    phase_times = example.phase_times
+    ops = phase_times.instruction_phases(GPU_STYLE_HLO, example.PHASES)
+    assert ops.module == "jit_step"
+    expected = {
+        "loop_multiply_fusion": "indexer_scores",  # its own metadata
+        "input_add_fusion.3": "topk",  # no metadata: its fused ops agree
+        "copy.4": "topk",  # no metadata, no fused ops: its operand
+        "custom-call.5": "output_projection",
+        "all-gather-start": "collectives",  # a collective, whatever scope it sits in
+        "all-gather-done": "collectives",
+        "all-to-all-start": "collectives",  # async wrapper of an all-to-all
+        "all-to-all-done": "collectives",
+        "all-to-all.1": "collectives",
+        "p0": "other",
+    }
+    assert {name: ops.phase[name] for name in expected} == expected
+    assert ops.inferred == {"copy.4"}
+    assert ops.opcode["all-to-all-start"] == "async-start"
+    assert ops.by_kernel_name["input_add_fusion_3"] == "input_add_fusion.3"
+
+
+def test_command_buffer_kernels_are_attributed_by_kernel_name(example):
+    """In a CUDA graph (XLA's command buffers) every kernel's hlo_op stat names the command
+    buffer, not the instruction. Our custom call's kernel (named in its attributes) and the
+    extra kernels of one instruction ("<name>__<n>", e.g. a sort's passes) are still placed."""
+    phase_times = example.phase_times
+    decode = (
+        '  %decode.8 = (bf16[5]{0}, f32[5]{0}) custom-call(%p0), custom_call_target="jax_'
+        'sparse_mla_decode", api_version=API_VERSION_TYPED_FFI, backend_config={head_tile = '
+        '16 : i64, kernel_name = "kernel_cutlass_SparseDecode_0", smem_bytes = 8 : i64}, '
+        'metadata={op_name="jit(step)/sparse_decode/sparse_mla_decode"}\n'
+    )
+    hlo = GPU_STYLE_HLO.replace("  ROOT %tuple.7", decode + "  ROOT %tuple.7")
+    ops = phase_times.instruction_phases(hlo, example.PHASES)
+    assert ops.by_kernel_name["kernel_cutlass_SparseDecode_0"] == "decode.8"
+    buffer = ("command_buffer_1", "jit_step")
+    events = [
+        phase_times.Event(0, 5e3, "kernel_cutlass_SparseDecode_0", *buffer),
+        phase_times.Event(5e3, 6e3, "input_add_fusion_3__2", *buffer),
+        phase_times.Event(6e3, 7e3, "input_add_fusion_3", *buffer),
+        phase_times.Event(7e3, 8e3, "unknown_kernel__2", *buffer),
+    ]
+    trace = phase_times.DeviceTrace("/device:GPU:0", ["Stream #1"], events, [])
+    placed = [(phase, how) for _, phase, how, _ in phase_times.attribute(trace, ops)]
+    assert placed == [
+        ("sparse_decode", "kernel name"),
+        ("topk", "kernel name"),
+        ("topk", "kernel name"),
+        ("other", "unattributed"),
+    ]
+
+
+def xspace_text(events, xla_ops):
+    """A GPU device plane as the CUPTI collector writes it: kernels on a Stream line with
+    hlo_op / hlo_module stats (as a reference to a stat metadata name, or as a string), an
+    "XLA Ops" line, and an overhead line that must not be counted."""
+    names = sorted({e[0] for e in events} | {op[0] for op in xla_ops})
+    meta_id = {name: index + 1 for index, name in enumerate(names)}
+    stat_names = ["hlo_op", "hlo_module", "loop_multiply_fusion", "jit_step", "jit_other"]
+    stat_id = {name: 100 + index for index, name in enumerate(stat_names)}
+
+    def event(name, start_us, duration_us, stats=()):
+        body = [f"metadata_id: {meta_id[name]}", f"offset_ps: {int(start_us * 1e6)}"]
+        body.append(f"duration_ps: {int(duration_us * 1e6)}")
+        for key, value in stats:
+            if value in stat_id:  # the collector stores repeated strings as references
+                body.append(f"stats {{ metadata_id: {stat_id[key]} ref_value: {stat_id[value]} }}")
+            else:
+                body.append(f'stats {{ metadata_id: {stat_id[key]} str_value: "{value}" }}')
+        return "events { " + " ".join(body) + " }"
+
+    kernels = "\n".join(event(*e) for e in events)
+    ops = "\n".join(event(name, start, duration) for name, start, duration in xla_ops)
+    overhead = event(events[0][0], events[0][1], 1000.0)
+    metadata = "\n".join(
+        f'event_metadata {{ key: {i} value {{ id: {i} name: "{n}" }} }}' for n, i in meta_id.items()
+    ) + "\n".join(
+        f'stat_metadata {{ key: {i} value {{ id: {i} name: "{n}" }} }}' for n, i in stat_id.items()
+    )
+    return f"""
+planes {{
+  id: 1
+  name: "/device:GPU:0"
+  lines {{ id: 7 name: "Stream #7(Kernel,MemcpyD2D)" timestamp_ns: 0
+{kernels}
+  }}
+  lines {{ id: 8 name: "XLA Ops" timestamp_ns: 0
+{ops}
+  }}
+  lines {{ id: 9 name: "CUPTI overhead" timestamp_ns: 0
+{overhead}
+  }}
+{metadata}
+}}
+planes {{ id: 2 name: "/host:CPU" }}
+"""
+
+
+def test_gpu_trace_is_attributed_per_phase_and_sums_to_the_total(example, tmp_path):
+    """Two calls (1 ms apart) of seven events, one per attribution route; the phase sums,
+    the per-call split and the table are exact."""
+    phase_times = example.phase_times
+    ops = phase_times.instruction_phases(GPU_STYLE_HLO, example.PHASES)
+    hlo_op = [("hlo_op", "loop_multiply_fusion"), ("hlo_module", "jit_step")]
+    call = [  # (kernel name, start us, duration us, stats)
+        ("loop_multiply_fusion", 0, 10, hlo_op),  # hlo_op stat (a reference)
+        ("sm90_xmma_gemm_bf16bf16", 10, 20, [("hlo_op", "custom-call.5")]),  # (a string)
+        ("input_add_fusion_3", 30, 3),  # kernel name = sanitized instruction name
+        ("copy_kernel", 33, 4),  # covered by the "XLA Ops" event copy.4
+        ("ncclDevKernel_AllGather_RING_LL", 37, 6),  # NCCL
+        ("mystery_kernel", 43, 1),  # nothing: other
+        (
+            "loop_multiply_fusion",
+            44,
+            2,
+            [("hlo_op", "loop_multiply_fusion"), ("hlo_module", "jit_other")],
+        ),
+    ]
+    events = [(e[0], e[1] + offset, *e[2:]) for offset in (0, 1000) for e in call]
+    xla_ops = [("copy.4", 32 + offset, 6) for offset in (0, 1000)]
+    text = xspace_text(events, xla_ops)
+    path = tmp_path / "trace.xplane.pb"
+    path.write_bytes(phase_times.ProfileData.text_proto_to_serialized_xspace(text))
+
+    traces = phase_times.read_traces(str(path))
+    assert list(traces) == ["/device:GPU:0"]
+    (trace,) = traces.values()
+    assert len(trace.events) == 14 and len(trace.xla_ops) == 2  # the overhead line is not read
+    times = phase_times.phase_times(trace, ops, example.PHASES, calls=2)
+    per_call_us = {
+        "indexer_scores": 10,
+        "output_projection": 20,
+        "topk": 3 + 4,
+        "collectives": 6,
+        "other": 1 + 2,  # the unknown kernel and the other module's
+    }
+    for phase in times.phases:
+        assert times.mean_us(phase) == pytest.approx(per_call_us.get(phase, 0.0)), phase
+        assert times.median_us(phase) == pytest.approx(per_call_us.get(phase, 0.0)), phase
+    assert times.mean_us() == pytest.approx(46.0) and times.median_us() == pytest.approx(46.0)
+    assert times.groups_found == 2
+    assert dict(times.how) == {
+        "hlo_op stat": 4,
+        "XLA Ops line": 2,
+        "kernel name": 4,
+        "unattributed": 4,
+    }
+    assert times.inferred_ns == pytest.approx(2 * 4e3)  # copy.4, placed by its operand
+    assert sum(times.shares().values()) == pytest.approx(1.0)
+    assert times.shares()["output_projection"] == pytest.approx(20 / 46)
+
+    table = phase_times.format_table(times)
+    rows = {line.split()[0]: line.split() for line in table[1:]}
+    assert "cache_write" in rows and "collectives" in rows
+    assert rows["output_projection"][1:3] == ["20.0", "43.5%"]
+    assert table[-1].split()[3:5] == ["46.0", "100.0%"]  # "sum of phases" row
+    line = phase_times.summary_line("step", times)
+    assert "median 46.0 us" in line and "over 2 profiled calls" in line
+
+
+def test_empty_gpu_trace_names_the_lines_found(example):
+    phase_times = example.phase_times
+    ops = phase_times.instruction_phases(GPU_STYLE_HLO, example.PHASES)
+    trace = phase_times.DeviceTrace("/device:GPU:0", ["XLA Modules", "CUPTI overhead"], [], [])
+    with pytest.raises(RuntimeError, match=r"XLA Modules.*CUPTI overhead"):
+        phase_times.phase_times(trace, ops, example.PHASES, calls=1)
+
+
+def test_split_calls_at_idle_gaps(example):
+    Event = example.phase_times.Event
+    events = [Event(0, 10, "a"), Event(5, 400_000, "b"), Event(900_000, 900_010, "c")]
+    groups = example.phase_times.split_calls(events, gap_ns=400_000)
+    assert [[e.name for e in g] for g in groups] == [["a", "b"], ["c"]]
+
+
+def test_profile_attributes_the_cpu_thunks_of_the_compiled_step(example):
+    """The real profiler on CPU: XLA's CPU thunk events carry the same hlo_op stat as the
+    GPU's kernels; every one of the step's maps to an instruction of its compiled HLO, all
+    six phases get time, and the phases add up to the total."""
+    if jax.devices()[0].platform != "cpu":
+        pytest.skip("reads the CPU plane")
+    phase_times = example.phase_times
+    compiled, (weights, cache, x, pos) = compiled_small_step(example, dcp=1)
+    ops = phase_times.instruction_phases(compiled.as_text(), example.PHASES)
+    state = {"cache": cache}
+
+    def call():
+        out, state["cache"], _ = compiled(weights, state["cache"], x, pos)
+        return out
+
+    times = phase_times.profile(
+        call,
+        3,
+        ops,
+        example.PHASES,
+        plane_prefix="/host:CPU",
+        is_event_line=lambda name: True,
+        tagged_only=True,
+    )
+    (cpu,) = times.values()
+    assert cpu.how["hlo_op stat"] > 0
+    assert cpu.how["unattributed"] == 0, dict(cpu.how)
+    for phase in example.PHASES:
+        assert cpu.events[phase] >= cpu.calls, (phase, dict(cpu.events))
+    assert sum(cpu.phase_ns.values()) == pytest.approx(cpu.total_ns, rel=1e-12)
