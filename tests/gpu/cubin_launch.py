@@ -76,9 +76,12 @@ class CubinKernel:
         attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         check(cu.cuFuncSetAttribute(self.function, attribute, meta["smem_bytes"]))
 
-    def launch(self, stream, pointers: list[int], sizes: tuple[int, ...], batch: int) -> None:
+    def launch(
+        self, stream, pointers: list[int], sizes: tuple[int, ...], batch: int, pdl: bool = True
+    ) -> None:
         """Launch with the ABI's seven device pointers and four sizes (n_rows, width, heads,
-        row_bytes) over the grid of ``batch`` rows, as the FFI handler computes it."""
+        row_bytes) over the grid of ``batch`` rows, as the FFI handler computes it; with the
+        PDL attribute unless ``pdl`` is False."""
         meta = self.meta
         heads = sizes[2]
         config = cu.CUlaunchConfig()
@@ -94,8 +97,8 @@ class CubinKernel:
         pdl = cu.CUlaunchAttribute()
         pdl.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
         pdl.value.programmaticStreamSerializationAllowed = 1
-        config.attrs = [cluster, pdl]
-        config.numAttrs = 2
+        config.attrs = [cluster, pdl] if pdl else [cluster]
+        config.numAttrs = len(config.attrs)
         values = (*pointers, *sizes)
         types = (ctypes.c_void_p,) * len(pointers) + (ctypes.c_int,) * len(sizes)
         check(cu.cuLaunchKernelEx(config, self.function, (values, types), 0))

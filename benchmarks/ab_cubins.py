@@ -1,0 +1,123 @@
+"""A/B of sparse decode cubins on one GPU: each variant launched back to back, CUDA events.
+
+    python benchmarks/ab_cubins.py DIR [DIR ...] [--shape B,H,KEYS ...] [--launches 500]
+
+Every ``*.cubin`` (with its ``.json``) under the DIRs is one variant; each must have the
+package's kernel ABI (config.PARAMS). Make variants from edited kernel sources on any machine
+with the DSL, e.g. in a git worktree: ``python -m jax_sparse_mla.aot --out DIR``.
+
+Method: one process, the same inputs for every variant (latency-h96-like: N = 131072 cache
+rows, K = 2048 slots, KEYS valid distinct rows per query row), launched through the CUDA
+driver (cuda.bindings) with the cluster dims but without PDL, so launches serialize;
+CUDA events around ``--launches`` launches give the time per launch (launch gaps included,
+the same for all variants); the variants are interleaved over ``--repeats`` rounds and the
+median is reported. Meant for comparing kernel variants with each other, not for absolute
+latency (benchmarks/bench_decode.py measures that through JAX).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+
+import ml_dtypes
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "gpu"))
+from cubin_launch import Buffer, Context, CubinKernel, check
+from cuda.bindings import driver as cu
+
+CACHE_ROWS, WIDTH = 131072, 2048
+
+
+def _shape(text: str) -> tuple[int, int, int]:
+    try:
+        batch, heads, keys = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shape wants B,H,KEYS, got {text!r}") from None
+    if heads % 16 or not 0 < keys <= WIDTH or batch < 1:
+        raise argparse.ArgumentTypeError(f"need H % 16 == 0, 0 < KEYS <= {WIDTH}: {text!r}")
+    return batch, heads, keys
+
+
+def inputs(batch: int, heads: int, keys: int) -> list[Buffer]:
+    rng = np.random.default_rng(0)
+    fp8 = ml_dtypes.float8_e4m3fn
+    q = rng.standard_normal((batch, heads, 576)).astype(fp8)
+    kv = rng.standard_normal((CACHE_ROWS, 576)).astype(fp8)
+    rows = np.stack([rng.choice(CACHE_ROWS, WIDTH, replace=False) for _ in range(batch)])
+    return [
+        Buffer(q.view(np.uint8)),
+        Buffer(kv.view(np.uint8)),
+        Buffer(rows.astype(np.int32)),
+        Buffer(np.full((batch,), keys, np.int32)),
+        Buffer(np.array([0.1, 1.0], np.float32)),
+        Buffer(np.empty((batch, heads, 512), np.uint16), upload=False),
+        Buffer(np.empty((batch, heads), np.float32), upload=False),
+    ]
+
+
+def time_launches(
+    context: Context, kernel: CubinKernel, launch_args: tuple, launches: int
+) -> float:
+    """Microseconds per launch over ``launches`` back-to-back launches (no PDL)."""
+
+    def launch():
+        kernel.launch(context.stream, *launch_args, pdl=False)
+
+    for _ in range(10):
+        launch()
+    start, end = check(cu.cuEventCreate(0)), check(cu.cuEventCreate(0))
+    check(cu.cuEventRecord(start, context.stream))
+    for _ in range(launches):
+        launch()
+    check(cu.cuEventRecord(end, context.stream))
+    check(cu.cuEventSynchronize(end))
+    return check(cu.cuEventElapsedTime(start, end)) * 1e3 / launches
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("dirs", nargs="+", type=pathlib.Path, help="folders of cubin variants")
+    parser.add_argument(
+        "--shape",
+        action="append",
+        type=_shape,
+        help="B,H,KEYS (repeatable; default: latency-h96, rank-full, throughput shapes)",
+    )
+    parser.add_argument("--launches", type=int, default=500)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    shapes = args.shape or [(5, 96, 256), (5, 128, 256), (5, 128, 2048), (64, 128, 2048)]
+    context = Context()
+    variants = {}
+    for path in sorted(p for d in args.dirs for p in d.glob("*.cubin")):
+        meta = json.loads(path.with_suffix(".json").read_text())
+        variants[f"{path.parent.name}/{path.stem}"] = CubinKernel(path.read_bytes(), meta)
+    if not variants:
+        raise SystemExit(f"no *.cubin in {[str(d) for d in args.dirs]}")
+    print(f"{len(variants)} variant(s); {args.launches} launches x {args.repeats} rounds each")
+    for batch, heads, keys in shapes:
+        buffers = inputs(batch, heads, keys)
+        pointers = [b.address for b in buffers]
+        sizes = (CACHE_ROWS, WIDTH, heads, 576)
+        times = {name: [] for name in variants}
+        for _ in range(args.repeats):
+            for name, kernel in variants.items():
+                launch_args = (pointers, sizes, batch)
+                times[name].append(time_launches(context, kernel, launch_args, args.launches))
+        print(f"B={batch} H={heads} keys={keys}:")
+        for name, values in times.items():
+            spread = f"[{min(values):.2f}, {max(values):.2f}]"
+            print(f"  {statistics.median(values):9.3f} us/launch {spread:>18}  {name}")
+        for buffer in buffers:
+            buffer.free()
+
+
+if __name__ == "__main__":
+    main()
