@@ -394,6 +394,32 @@ def test_dcp_decode_paged(dcp, heads_own, shared_table):
     compare_with_single(latent, lse, single_latent, single_lse, err, single_err, t, dcp)
 
 
+def test_dcp_decode_padded_rows_equal_unpadded():
+    """A cache whose rows are padded to 640 bytes (NaN padding, never read) gives the same
+    bits as the 576-byte cache, flat and paged."""
+    dcp, heads_own, batch, width, n_local, block_size = 2, 6, 5, 32, 48, 8
+    rng = np.random.default_rng(11)
+    q = fp8(rng, (batch, dcp * heads_own, 576))
+    kv_global = fp8(rng, (dcp * n_local, 576))
+    tokens = make_tokens(rng, batch, width, dcp, dcp * n_local)
+    kv = shard_flat_cache(kv_global, dcp)
+    padded = jnp.concatenate([kv, jnp.full((kv.shape[0], 64), jnp.nan, FP8)], axis=1)
+    run = dict(block_size=None, q_scale=1.0, kv_scale=1.0)
+    want = run_dcp(mesh_of(dcp), q, kv, tokens, None, **run)
+    got = run_dcp(mesh_of(dcp), q, padded, tokens, None, **run)
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # Paged: each rank's pool [blocks, block_size, 640], identity block tables.
+    pools = padded.reshape(dcp * n_local // block_size, block_size, 640)
+    table = np.arange(dcp * n_local // block_size, dtype=np.int32).reshape(dcp, -1)
+    table = jnp.asarray(table - np.arange(dcp)[:, None] * table.shape[1])  # local block ids
+    run["block_size"] = block_size
+    paged = run_dcp(mesh_of(dcp), q, pools, tokens, table, **run)
+    for a, b in zip(want, paged, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.isfinite(np.asarray(want[0], np.float32)).all()
+
+
 def test_dcp_decode_precomputed_rows_and_nan_isolation():
     """rows / valid built outside (per-rank shards, out-of-range and past-valid garbage
     entries); a NaN query head stays in its own (row, head)."""
