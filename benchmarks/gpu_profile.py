@@ -34,18 +34,23 @@ class CallTimes:
         return {"median": statistics.median(values), "p10": pick(0.1), "p90": pick(0.9)}
 
 
-def _device_events(xspace_path: str):
-    data = ProfileData.from_file(xspace_path)
-    events = []
-    for plane in data.planes:
+def device_events_by_plane(xspace_path: str) -> dict[str, list[tuple[int, int, str]]]:
+    """(start ns, end ns, kernel name) of each GPU plane's kernels and copies, time-sorted."""
+    planes = {}
+    for plane in ProfileData.from_file(xspace_path).planes:
         if not plane.name.startswith("/device:GPU"):
             continue
+        events = []
         for line in plane.lines:
             # Stream lines hold the kernels; XLA's op/module lines would double count.
-            if not line.name.startswith("Stream"):
-                continue
-            events.extend((e.start_ns, e.end_ns, e.name) for e in line.events)
-    return sorted(events)
+            if line.name.startswith("Stream"):
+                events.extend((e.start_ns, e.end_ns, e.name) for e in line.events)
+        planes[plane.name] = sorted(events)
+    return planes
+
+
+def _device_events(xspace_path: str):
+    return sorted(e for events in device_events_by_plane(xspace_path).values() for e in events)
 
 
 def profile_calls(fn, args, calls: int) -> CallTimes:

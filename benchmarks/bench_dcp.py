@@ -1,0 +1,171 @@
+"""dcp_decode on D GPUs (NCCL collectives exchange): GPU time per decode step, per kernel.
+
+    python benchmarks/bench_dcp.py                 # 2 GPUs (device kind nvidia-h200-x2)
+    python benchmarks/bench_dcp.py --dcp 2 --steps 64 --calls 5
+
+Per case (DESIGN.md's shapes per rank: B = 5 rows, the gathered heads H split over the D
+ranks, `keys` local keys per row on every rank, N = 131072 local cache rows), one jitted
+`lax.scan` of --steps decode steps runs `local_rows` + `dcp_decode` inside `jax.shard_map`
+(a new query per step, the same global top-k tokens). Each call of the scan runs under the
+JAX profiler (CUPTI kernel records, host waiting between calls); per device we report the
+span of a call's kernels divided by the steps (loop overhead included), and per kernel the
+summed duration per step (NCCL kernels include their wait for the other ranks). The kernel
+path is implementation="cute": no fallback to the reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+sys.path.insert(0, os.path.dirname(__file__))
+from gpu_profile import GAP_NS, device_events_by_plane
+
+import jax_sparse_mla
+
+AXIS = "dcp"
+LOCAL_ROWS = 131072
+CASES = {  # name -> (rows B, gathered heads H, local keys per row)
+    "latency-h96": (5, 96, 256),
+    "rank-full": (5, 128, 2048),
+}
+
+
+def make_step(mesh: Mesh, dcp: int):
+    def per_rank(q, kv, tokens):
+        rows, valid = jax_sparse_mla.local_rows(tokens, rank=lax.axis_index(AXIS), dcp_size=dcp)
+        return jax_sparse_mla.dcp_decode(
+            q, kv, rows, valid, axis_name=AXIS, softmax_scale=192**-0.5, implementation="cute"
+        )
+
+    step = jax.shard_map(
+        per_rank,
+        mesh=mesh,
+        in_specs=(P(None, AXIS), P(AXIS), P()),
+        out_specs=(P(None, AXIS), P(None, AXIS)),
+    )
+
+    def loop(qs, kv, tokens):
+        return lax.scan(lambda carry, q: (carry, step(q, kv, tokens)), 0, qs)[1]
+
+    return jax.jit(loop)
+
+
+def inputs(mesh: Mesh, dcp: int, batch: int, heads: int, keys: int, steps: int):
+    """Queries [steps, B, H, 576] (heads sharded), the cache (rank r holds global tokens
+    r, r + D, ...: local row p is token p * D + r) and the global top-k tokens: `keys` tokens
+    of every rank per row."""
+    rng = np.random.default_rng(0)
+    fp8 = jnp.float8_e4m3fn
+    qs = rng.standard_normal((steps, batch, heads, 576)).astype(fp8)
+    kv = rng.standard_normal((dcp * LOCAL_ROWS, 576)).astype(fp8)  # rank-major shards
+    per_rank = [rng.choice(LOCAL_ROWS, (batch, keys)) * dcp + r for r in range(dcp)]
+    tokens = np.concatenate(per_rank, axis=1).astype(np.int32)
+    return (
+        jax.device_put(qs, NamedSharding(mesh, P(None, None, AXIS))),
+        jax.device_put(kv, NamedSharding(mesh, P(AXIS))),
+        jax.device_put(tokens, NamedSharding(mesh, P())),
+    )
+
+
+def category(name: str) -> str:
+    lower = name.lower()
+    if "nccl" in lower:
+        return "nccl " + ("all-gather" if "allgather" in lower else "all-to-all / send-recv")
+    if "sparsedecode" in lower:
+        return "decode kernel"
+    return "XLA fusions and copies"
+
+
+def profile(fn, args, calls: int) -> dict[str, list[list[tuple[int, int, str]]]]:
+    """Per GPU plane, the kernels of each call (split at the host's idle gaps)."""
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as logdir:
+        jax.profiler.start_trace(logdir)
+        try:
+            for _ in range(calls):
+                jax.block_until_ready(fn(*args))
+                time.sleep(2e-3)
+        finally:
+            jax.profiler.stop_trace()
+        (path,) = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
+        planes = device_events_by_plane(path)
+    per_plane = {}
+    for plane, events in planes.items():
+        groups, current, last_end = [], [], None
+        for start, end, name in events:
+            if last_end is not None and start - last_end > max(GAP_NS, 1_000_000):
+                groups.append(current)
+                current = []
+            current.append((start, end, name))
+            last_end = end if last_end is None else max(last_end, end)
+        groups.append(current)
+        if len(groups) != calls:
+            raise RuntimeError(f"{plane}: expected {calls} calls' events, found {len(groups)}")
+        per_plane[plane] = groups
+    return per_plane
+
+
+def report(name: str, per_plane: dict, steps: int) -> list[dict]:
+    records = []
+    for plane, calls in per_plane.items():
+        spans = [(max(e for _, e, _ in c) - c[0][0]) / 1e3 / steps for c in calls]
+        by_kernel = collections.defaultdict(float)
+        for c in calls:
+            for start, end, kernel in c:
+                by_kernel[category(kernel)] += (end - start) / 1e3 / steps / len(calls)
+        span = statistics.median(spans)
+        print(f"  {plane}: span {span:.1f} us/step [{min(spans):.1f}, {max(spans):.1f}]")
+        print(f"    kernels {sum(by_kernel.values()):.1f} us/step:")
+        for kernel, us in sorted(by_kernel.items(), key=lambda item: -item[1]):
+            print(f"    {us:8.2f} us  {kernel}")
+        records.append(
+            {"case": name, "plane": plane, "span_us_per_step": span, "kernels": dict(by_kernel)}
+        )
+    return records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--dcp", type=int, default=2, help="GPUs (ranks), default 2")
+    parser.add_argument("--steps", type=int, default=64, help="decode steps per call")
+    parser.add_argument("--calls", type=int, default=5, help="profiled calls")
+    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--out", help="write dcp_results.json into this folder")
+    args = parser.parse_args()
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if len(gpus) < args.dcp:
+        raise SystemExit(f"needs {args.dcp} GPUs, jax sees {jax.devices()}")
+    mesh = Mesh(np.array(gpus[: args.dcp]), (AXIS,))
+    fn = make_step(mesh, args.dcp)
+    results = []
+    for name in args.cases:
+        batch, heads, keys = CASES[name]
+        own = heads // args.dcp
+        print(f"[{name}] B={batch} H={heads} ({own} per rank), local keys {keys}", flush=True)
+        data = inputs(mesh, args.dcp, batch, heads, keys, args.steps)
+        results += report(name, profile(fn, data, args.calls), args.steps)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "dcp_results.json"), "w") as f:
+            json.dump({"date": time.strftime("%Y-%m-%d"), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
