@@ -233,6 +233,19 @@ def test_non_hopper_gpu(monkeypatch, fake_kernel, caplog):
     assert any("Hopper" in r.getMessage() for r in caplog.records)
 
 
+def test_batch_beyond_the_grid_limit(fake_kernel, caplog):
+    """B > 65535 (the grid's y extent): 'cute' raises, the default falls back loudly."""
+    args = _args(batch=65536, heads=16, width=8, cache_rows=64)
+    with pytest.raises(NotImplementedError, match="at most 65535"):
+        _cuda_text("cute", args)
+    jax.clear_caches()
+    with caplog.at_level(logging.WARNING, logger="jax_sparse_mla"):
+        assert cuda_lowering.FFI_TARGET not in _cuda_text(None, args)
+    assert any("at most 65535" in r.getMessage() for r in caplog.records)
+    jax.clear_caches()
+    assert cuda_lowering.FFI_TARGET in _cuda_text("cute", _args(batch=65535, heads=16))
+
+
 def test_reference_implementation_never_uses_kernel(fake_kernel):
     assert cuda_lowering.FFI_TARGET not in _cuda_text("reference")
 
