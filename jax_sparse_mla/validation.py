@@ -23,14 +23,13 @@ FP8 = jnp.float8_e4m3fn
 
 @dataclass(frozen=True)
 class DecodeShapes:
-    """Sizes of one decode call: B rows, H heads, N flat cache rows of W bytes, K index slots."""
+    """Sizes of one decode call: B rows, H heads, N flat cache rows, K index slots."""
 
     batch: int
     heads: int
     cache_rows: int
     width: int
     paged: bool
-    row_bytes: int
 
 
 def _shape(x) -> tuple[int, ...]:
@@ -84,9 +83,7 @@ def check_decode_args(q, kv, rows, valid) -> DecodeShapes:
         raise ValueError(
             f"kv holds {cache_rows} rows; int32 row indices reach 2**31 - 1 ({kv_shape=})"
         )
-    return DecodeShapes(
-        batch, heads, cache_rows, rows_shape[1], paged=len(kv_shape) == 3, row_bytes=row_bytes
-    )
+    return DecodeShapes(batch, heads, cache_rows, rows_shape[1], paged=len(kv_shape) == 3)
 
 
 def check_softmax_scale(softmax_scale) -> float:

@@ -93,10 +93,6 @@ class KernelConfig:
     def cluster(self) -> tuple[int, int, int]:
         return (SPLIT, 1, 1)
 
-    def grid(self, batch: int, heads: int) -> tuple[int, int, int]:
-        """Launch grid for B rows and Hp padded heads (the FFI handler computes the same)."""
-        return (heads // HEADS * SPLIT, batch, 1)
-
 
 VARIANTS = ("cluster-mma",)
 """The seed's design: clusters of SPLIT CTAs per 16 heads, FP8 mma.sync, DSMEM merge."""
