@@ -120,19 +120,25 @@ def profile(fn, args, calls: int) -> dict[str, list[list[tuple[int, int, str]]]]
     return per_plane
 
 
-def report(name: str, per_plane: dict, steps: int) -> list[dict]:
+def report(name: str, per_plane: dict, steps: int, top: int) -> list[dict]:
     records = []
     for plane, calls in per_plane.items():
         spans = [(max(e for _, e, _ in c) - c[0][0]) / 1e3 / steps for c in calls]
         by_kernel = collections.defaultdict(float)
+        by_name = collections.defaultdict(float)
         for c in calls:
             for start, end, kernel in c:
                 by_kernel[category(kernel)] += (end - start) / 1e3 / steps / len(calls)
+                by_name[kernel] += (end - start) / 1e3 / steps / len(calls)
         span = statistics.median(spans)
         print(f"  {plane}: span {span:.1f} us/step [{min(spans):.1f}, {max(spans):.1f}]")
         print(f"    kernels {sum(by_kernel.values()):.1f} us/step:")
         for kernel, us in sorted(by_kernel.items(), key=lambda item: -item[1]):
             print(f"    {us:8.2f} us  {kernel}")
+        if top:
+            print(f"    the {top} largest kernels by name:")
+            for kernel, us in sorted(by_name.items(), key=lambda item: -item[1])[:top]:
+                print(f"      {us:8.2f} us  {kernel[:90]}")
         records.append(
             {"case": name, "plane": plane, "span_us_per_step": span, "kernels": dict(by_kernel)}
         )
@@ -147,6 +153,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64, help="decode steps per call")
     parser.add_argument("--calls", type=int, default=5, help="profiled calls")
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument("--top", type=int, default=0, help="also list the N largest kernels")
     parser.add_argument("--out", help="write dcp_results.json into this folder")
     args = parser.parse_args()
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
@@ -160,7 +167,7 @@ def main() -> None:
         own = heads // args.dcp
         print(f"[{name}] B={batch} H={heads} ({own} per rank), local keys {keys}", flush=True)
         data = inputs(mesh, args.dcp, batch, heads, keys, args.steps)
-        results += report(name, profile(fn, data, args.calls), args.steps)
+        results += report(name, profile(fn, data, args.calls), args.steps, args.top)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "dcp_results.json"), "w") as f:
