@@ -1,7 +1,7 @@
-"""dcp_decode on D GPUs (NCCL collectives exchange): GPU time per decode step, per kernel.
+"""dcp_decode on D GPUs, both exchanges: GPU time per decode step, per kernel.
 
     python benchmarks/bench_dcp.py                 # 2 GPUs (device kind nvidia-h200-x2)
-    python benchmarks/bench_dcp.py --dcp 2 --steps 64 --calls 5
+    python benchmarks/bench_dcp.py --dcp 2 --steps 64 --calls 5 --exchanges push
 
 Per case (DESIGN.md's shapes per rank: B = 5 rows, the gathered heads H split over the D
 ranks, `keys` local keys per row on every rank, N = 131072 local cache rows), one jitted
@@ -10,8 +10,10 @@ ranks, `keys` local keys per row on every rank, N = 131072 local cache rows), on
 tokens). Each call of the scan runs under the
 JAX profiler (CUPTI kernel records, host waiting between calls); per device we report the
 span of a call's kernels divided by the steps (loop overhead included), and per kernel the
-summed duration per step (NCCL kernels include their wait for the other ranks). The kernel
-path is implementation="cute": no fallback to the reference.
+summed duration per step (NCCL kernels include their wait for the other ranks, the push
+exchange's merge its wait for the peers' flags). The kernel path is implementation="cute": no
+fallback to the reference; the push exchange's custom calls are checked in the lowered program
+and its error records (dcp_check) after the run.
 """
 
 from __future__ import annotations
@@ -34,11 +36,12 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_profile import GAP_NS, device_events_by_plane
+from gpu_profile import device_events_by_plane
 
 import jax_sparse_mla
 
 AXIS = "dcp"
+CALL_GAP_NS = 10_000_000  # an idle GPU this long separates two calls (the host sleeps 5x it)
 LOCAL_ROWS = 131072
 CASES = {  # name -> (rows B, gathered heads H, local keys per row)
     "latency-h96": (5, 96, 256),
@@ -46,38 +49,63 @@ CASES = {  # name -> (rows B, gathered heads H, local keys per row)
 }
 
 
-def make_step(mesh: Mesh, dcp: int):
-    def per_rank(q, kv, tokens):
+def make_step(mesh: Mesh, dcp: int, exchange: str):
+    def per_rank(q, kv, tokens, t):
         rows, valid = jax_sparse_mla.local_rows(tokens, rank=lax.axis_index(AXIS), dcp_size=dcp)
         return jax_sparse_mla.dcp_decode(
-            q, kv, rows, valid, axis_name=AXIS, softmax_scale=192**-0.5, implementation="cute"
+            q,
+            kv,
+            rows,
+            valid,
+            axis_name=AXIS,
+            softmax_scale=192**-0.5,
+            implementation="cute",
+            exchange=exchange,
+            step=t,
         )
 
     step = jax.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=(P(None, AXIS), P(AXIS), P()),
+        in_specs=(P(None, AXIS), P(AXIS), P(), P()),
         out_specs=(P(None, AXIS), P(None, AXIS)),
     )
 
-    def loop(q, kv, tokens, steps):
+    def loop(q, kv, tokens, first_step, steps):
         def body(carry, t):
             # A new query each step from one small elementwise fusion. (Scanning over a
             # stacked [steps, B, H, 576] query instead made XLA transpose the whole stack in
             # every iteration: ~21 us per step at rank-full that belongs to no decode.)
             scale = 1.0 + (t % 8).astype(jnp.float32) * 2.0**-3  # E4M3 steps are 2**-3
             q_t = (q.astype(jnp.float32) * scale).astype(q.dtype)
-            return carry, step(q_t, kv, tokens)
+            return carry, step(q_t, kv, tokens, t)
 
-        return lax.scan(body, 0, jnp.arange(steps))[1]
+        outputs = lax.scan(body, 0, first_step + jnp.arange(steps, dtype=jnp.int32))[1]
+        return outputs, first_step + steps
 
-    return jax.jit(loop, static_argnums=3)
+    return jax.jit(loop, static_argnums=4)
 
 
-def inputs(mesh: Mesh, dcp: int, batch: int, heads: int, keys: int, steps: int):
+class Calls:
+    """The loop called with one step counter that continues across calls and cases (the push
+    exchange's parity must alternate from each exchange to the next). The counter stays on
+    the device (the loop returns the next one): no host transfer between profiled calls."""
+
+    next_step = None
+
+    def __init__(self, fn, q, kv, tokens, steps):
+        self.fn, self.args, self.steps = fn, (q, kv, tokens), steps
+
+    def __call__(self):
+        first = jnp.int32(0) if Calls.next_step is None else Calls.next_step
+        outputs, Calls.next_step = self.fn(*self.args, first, self.steps)
+        return outputs
+
+
+def inputs(mesh: Mesh, dcp: int, batch: int, heads: int, keys: int):
     """The query [B, H, 576] (heads sharded), the cache (rank r holds global tokens r, r + D,
-    ...: local row p is token p * D + r), the global top-k tokens (`keys` tokens of every rank
-    per row) and the number of steps."""
+    ...: local row p is token p * D + r) and the global top-k tokens (`keys` tokens of every
+    rank per row)."""
     rng = np.random.default_rng(0)
     fp8 = jnp.float8_e4m3fn
     q = rng.standard_normal((batch, heads, 576)).astype(fp8)
@@ -88,7 +116,6 @@ def inputs(mesh: Mesh, dcp: int, batch: int, heads: int, keys: int, steps: int):
         jax.device_put(q, NamedSharding(mesh, P(None, AXIS))),
         jax.device_put(kv, NamedSharding(mesh, P(AXIS))),
         jax.device_put(tokens, NamedSharding(mesh, P())),
-        steps,
     )
 
 
@@ -98,18 +125,20 @@ def category(name: str) -> str:
         return "nccl " + ("all-gather" if "allgather" in lower else "all-to-all / send-recv")
     if "sparsedecode" in lower:
         return "decode kernel"
+    if lower in ("dcp_push", "dcp_merge"):
+        return "push exchange: " + lower + (" (incl. wait)" if lower == "dcp_merge" else "")
     return "XLA fusions and copies"
 
 
-def profile(fn, args, calls: int) -> dict[str, list[list[tuple[int, int, str]]]]:
+def profile(call, calls: int) -> dict[str, list[list[tuple[int, int, str]]]]:
     """Per GPU plane, the kernels of each call (split at the host's idle gaps)."""
-    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(call())
     with tempfile.TemporaryDirectory() as logdir:
         jax.profiler.start_trace(logdir)
         try:
             for _ in range(calls):
-                jax.block_until_ready(fn(*args))
-                time.sleep(2e-3)
+                jax.block_until_ready(call())
+                time.sleep(CALL_GAP_NS * 5 / 1e9)
         finally:
             jax.profiler.stop_trace()
         (path,) = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
@@ -118,19 +147,23 @@ def profile(fn, args, calls: int) -> dict[str, list[list[tuple[int, int, str]]]]
     for plane, events in planes.items():
         groups, current, last_end = [], [], None
         for start, end, name in events:
-            if last_end is not None and start - last_end > max(GAP_NS, 1_000_000):
+            if last_end is not None and start - last_end > CALL_GAP_NS:
                 groups.append(current)
                 current = []
             current.append((start, end, name))
             last_end = end if last_end is None else max(last_end, end)
         groups.append(current)
         if len(groups) != calls:
-            raise RuntimeError(f"{plane}: expected {calls} calls' events, found {len(groups)}")
+            sizes = [len(g) for g in groups]
+            raise RuntimeError(
+                f"{plane}: expected {calls} calls' events, found {len(groups)} groups of "
+                f"{sizes} kernels (split at idle gaps > {CALL_GAP_NS / 1e6} ms)"
+            )
         per_plane[plane] = groups
     return per_plane
 
 
-def report(name: str, per_plane: dict, steps: int, top: int) -> list[dict]:
+def report(name: str, exchange: str, per_plane: dict, steps: int, top: int) -> list[dict]:
     records = []
     for plane, calls in per_plane.items():
         spans = [(max(e for _, e, _ in c) - c[0][0]) / 1e3 / steps for c in calls]
@@ -150,7 +183,13 @@ def report(name: str, per_plane: dict, steps: int, top: int) -> list[dict]:
             for kernel, us in sorted(by_name.items(), key=lambda item: -item[1])[:top]:
                 print(f"      {us:8.2f} us  {kernel[:90]}")
         records.append(
-            {"case": name, "plane": plane, "span_us_per_step": span, "kernels": dict(by_kernel)}
+            {
+                "case": name,
+                "exchange": exchange,
+                "plane": plane,
+                "span_us_per_step": span,
+                "kernels": dict(by_kernel),
+            }
         )
     return records
 
@@ -163,6 +202,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=64, help="decode steps per call")
     parser.add_argument("--calls", type=int, default=5, help="profiled calls")
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    parser.add_argument(
+        "--exchanges", nargs="+", default=["collectives", "push"], choices=["collectives", "push"]
+    )
+    parser.add_argument(
+        "--timeout-s", type=float, default=1.0, help="the push exchange's bounded wait"
+    )
     parser.add_argument("--top", type=int, default=0, help="also list the N largest kernels")
     parser.add_argument("--out", help="write dcp_results.json into this folder")
     args = parser.parse_args()
@@ -170,14 +215,30 @@ def main() -> None:
     if len(gpus) < args.dcp:
         raise SystemExit(f"needs {args.dcp} GPUs, jax sees {jax.devices()}")
     mesh = Mesh(np.array(gpus[: args.dcp]), (AXIS,))
-    fn = make_step(mesh, args.dcp)
+    if "push" in args.exchanges and not jax_sparse_mla.dcp_setup(
+        mesh, AXIS, timeout_s=args.timeout_s
+    ):
+        raise SystemExit("dcp_setup found no CUDA mesh: the push exchange would not run")
     results = []
     for name in args.cases:
         batch, heads, keys = CASES[name]
         own = heads // args.dcp
-        print(f"[{name}] B={batch} H={heads} ({own} per rank), local keys {keys}", flush=True)
-        data = inputs(mesh, args.dcp, batch, heads, keys, args.steps)
-        results += report(name, profile(fn, data, args.calls), args.steps, args.top)
+        data = inputs(mesh, args.dcp, batch, heads, keys)
+        for exchange in args.exchanges:
+            print(
+                f"[{name}, {exchange}] B={batch} H={heads} ({own} per rank), local keys {keys}",
+                flush=True,
+            )
+            fn = make_step(mesh, args.dcp, exchange)
+            compiled = fn.lower(*data, jnp.int32(0), args.steps).compile()
+            if exchange == "push" and "jax_sparse_mla_dcp_push" not in compiled.as_text():
+                raise SystemExit("the push exchange's custom call is not in the program")
+            if args.out:
+                with open(os.path.join(args.out, f"hlo-{name}-{exchange}.txt"), "w") as f:
+                    f.write(compiled.as_text())
+            per_plane = profile(Calls(fn, *data, args.steps), args.calls)
+            jax_sparse_mla.dcp_check()
+            results += report(name, exchange, per_plane, args.steps, args.top)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "dcp_results.json"), "w") as f:

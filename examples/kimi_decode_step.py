@@ -50,6 +50,7 @@ Run (from the repository root):
     .venv/bin/python examples/kimi_decode_step.py                  # Kimi-K3-class layer
     .venv/bin/python examples/kimi_decode_step.py --small          # tiny layer, seconds
     .venv/bin/python examples/kimi_decode_step.py --dcp 8          # 8 GPUs, or 8 CPU devices
+    .venv/bin/python examples/kimi_decode_step.py --dcp 2 --exchange push   # one-sided exchange
     .venv/bin/python examples/kimi_decode_step.py --help
 
 On a CPU machine --dcp N creates N virtual CPU devices itself (XLA_FLAGS is set before jax
@@ -61,6 +62,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import itertools
 import math
 import os
 import statistics
@@ -77,6 +79,7 @@ ROPE_THETA = 50000.0
 NORM_EPS = 1e-6
 MESH_AXIS = "dcp"
 KERNEL_TARGET = "jax_sparse_mla_decode"  # the kernel's XLA custom call (cuda_lowering.FFI_TARGET)
+PUSH_TARGET = "jax_sparse_mla_dcp_push"  # the push exchange's (push_exchange.PUSH_TARGET)
 # The step's phases: jax.named_scope names in the step, rows of the GPU time table (plus
 # "collectives" under DCP and "other" for what no phase claims).
 PHASES = ("cache_write", "query", "indexer_scores", "topk", "sparse_decode", "output_projection")
@@ -326,12 +329,14 @@ def output_projection(w_uv: jax.Array, wo: jax.Array, latent: jax.Array) -> jax.
 
 
 def make_step(
-    cfg: LayerConfig, mesh: jax.sharding.Mesh | None, implementation: str
+    cfg: LayerConfig, mesh: jax.sharding.Mesh | None, implementation: str, exchange: str
 ) -> Callable[..., tuple[jax.Array, Cache, StepAux]]:
-    """step(weights, cache, x [R, hidden], pos) -> (out [R, hidden] f32, cache, aux), jitted
-    with the cache donated (rewritten in place with the verify tokens' entries)."""
+    """step(weights, cache, x [R, hidden], pos, exchange_step) -> (out [R, hidden] f32, cache,
+    aux), jitted with the cache donated (rewritten in place with the verify tokens' entries).
+    exchange_step (int32) is dcp_decode's step: it must advance by one at every call for
+    exchange="push"."""
 
-    def step(w: dict, cache: Cache, x: jax.Array, pos: jax.Array):
+    def step(w: dict, cache: Cache, x: jax.Array, pos: jax.Array, exchange_step: jax.Array):
         positions = pos + jnp.arange(x.shape[0], dtype=jnp.int32)
         with jax.named_scope("cache_write"):
             kv_new, index_new = cache_entries(w, x, positions)
@@ -365,7 +370,18 @@ def make_step(
                 out = output_projection(w["w_uv"], w["wo"], latent)
         else:
             out, kv, latent = dcp_attention(
-                cfg, mesh, implementation, w, cache, kv_new, positions, q, q_scale, tokens
+                cfg,
+                mesh,
+                implementation,
+                exchange,
+                exchange_step,
+                w,
+                cache,
+                kv_new,
+                positions,
+                q,
+                q_scale,
+                tokens,
             )
         return out, cache._replace(kv=kv), StepAux(q, q_scale, tokens, latent)
 
@@ -376,6 +392,8 @@ def dcp_attention(
     cfg: LayerConfig,
     mesh: jax.sharding.Mesh,
     implementation: str,
+    exchange: str,
+    exchange_step: jax.Array,
     w: dict,
     cache: Cache,
     kv_new: jax.Array,
@@ -389,14 +407,16 @@ def dcp_attention(
     dcp_decode for its own heads, and the row-parallel output projection is psum'd."""
     dcp = mesh.shape[MESH_AXIS]
 
-    def per_rank(kv_local, kv_new, q_own, tokens, q_scale, kv_scale, w_uv_own, wo_own):
+    def per_rank(kv_local, kv_new, q_own, tokens, q_scale, kv_scale, step, w_uv_own, wo_own):
         rank = lax.axis_index(MESH_AXIS)
         with jax.named_scope("cache_write"):
             local_n = kv_local.shape[0]
             mine = positions % dcp == rank
             slots = jnp.where(mine, positions // dcp, local_n)  # local_n: dropped
             kv_local = kv_local.at[slots].set(kv_new, mode="drop")
-        with jax.named_scope("sparse_decode"):  # its all-gather / all-to-all: "collectives"
+        # Its all-gather / all-to-all go to phase "collectives"; the push exchange's kernels
+        # stay in "sparse_decode".
+        with jax.named_scope("sparse_decode"):
             rows, valid = jax_sparse_mla.local_rows(tokens, rank=rank, dcp_size=dcp)
             latent, _ = jax_sparse_mla.dcp_decode(
                 q_own,
@@ -408,6 +428,8 @@ def dcp_attention(
                 q_scale=q_scale,
                 kv_scale=kv_scale,
                 implementation=implementation,
+                exchange=exchange,
+                step=step,
             )
         with jax.named_scope("output_projection"):
             out = lax.psum(output_projection(w_uv_own, wo_own, latent), MESH_AXIS)
@@ -417,10 +439,12 @@ def dcp_attention(
     sharded = jax.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=(P(MESH_AXIS, None), P(), heads, P(), P(), P(), P(MESH_AXIS), P(MESH_AXIS)),
+        in_specs=(P(MESH_AXIS, None), P(), heads, P(), P(), P(), P(), P(MESH_AXIS), P(MESH_AXIS)),
         out_specs=(P(), P(MESH_AXIS, None), heads),
     )
-    return sharded(cache.kv, kv_new, q, tokens, q_scale, cache.kv_scale, w["w_uv"], w["wo"])
+    return sharded(
+        cache.kv, kv_new, q, tokens, q_scale, cache.kv_scale, exchange_step, w["w_uv"], w["wo"]
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -554,6 +578,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "default 1: decode on one device)",
     )
     parser.add_argument(
+        "--exchange",
+        choices=["collectives", "push"],
+        default="collectives",
+        help="with --dcp: how dcp_decode sends the partials to their owners (default "
+        "collectives; push: the one-sided mailbox exchange on GPUs, set up by "
+        "jax_sparse_mla.dcp_setup; on CPU it runs as collectives)",
+    )
+    parser.add_argument(
         "--iters",
         type=int,
         default=None,
@@ -652,6 +684,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     capacity = max(context + rows, cfg.index_topk)
     capacity = -(-capacity // (16 * dcp)) * 16 * dcp
     mesh = make_mesh(dcp)
+    if mesh is not None and args.exchange == "push":
+        set_up = jax_sparse_mla.dcp_setup(mesh, MESH_AXIS)
+        log(
+            "push exchange: mailboxes set up on the GPUs (dcp_setup)"
+            if set_up
+            else f"push exchange on {platform}: runs as collectives (no setup needed)"
+        )
 
     log(
         f"jax {jax.__version__}, {len(jax.devices())} {platform} device(s): "
@@ -661,7 +700,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         f"layer: {preset_summary(cfg)}, kv_lora_rank {KV_LORA_RANK}, qk_rope {QK_ROPE_DIM}, "
         f"softmax_scale {cfg.softmax_scale:.5f}"
     )
-    attention = f"dcp_decode in shard_map over {dcp} devices" if mesh else "decode (1 device)"
+    attention = (
+        f"dcp_decode in shard_map over {dcp} devices, exchange={args.exchange!r}"
+        if mesh
+        else "decode (1 device)"
+    )
     log(
         f"step: {rows} verify rows at positions {context}..{context + rows - 1}, "
         f"cache {context} tokens (capacity {capacity} x {CACHE_WIDTH} FP8), top-k "
@@ -757,7 +800,13 @@ def run_path(
     implementation = "cute" if path == "kernel" else "reference"
     platform = jax.devices()[0].platform
     log(f"compiling the step ({path} path, implementation={implementation!r}) ...")
-    compiled = make_step(cfg, mesh, implementation).lower(weights, cache, x, pos).compile()
+    step = make_step(cfg, mesh, implementation, args.exchange)
+    counter = itertools.count()  # dcp_decode's step: advances at every call
+
+    def exchange_step() -> np.int32:
+        return np.int32(next(counter))
+
+    compiled = step.lower(weights, cache, x, pos, exchange_step()).compile()
     what = "the CuTe DSL kernel" if path == "kernel" else "the pure-jnp reference"
     launches = compiled.as_text().count(f'custom_call_target="{KERNEL_TARGET}"')
     log(
@@ -766,8 +815,13 @@ def run_path(
     )
     if path == "kernel" and launches == 0:
         raise RuntimeError(f"no {KERNEL_TARGET!r} custom call in the compiled kernel path")
+    if path == "kernel" and mesh is not None and args.exchange == "push":
+        text = compiled.as_text()
+        if f'custom_call_target="{PUSH_TARGET}"' not in text or " all-to-all(" in text:
+            raise RuntimeError(f"exchange='push' but no {PUSH_TARGET!r} in the compiled step")
+        log("  the push exchange's kernels are in the compiled step (no all-to-all)")
 
-    out, cache, aux = compiled(weights, cache, x, pos)
+    out, cache, aux = compiled(weights, cache, x, pos, exchange_step())
     out = jax.block_until_ready(out)
     dcp = 1 if mesh is None else mesh.shape[MESH_AXIS]
     expected_out, expected_latent = dense_check(cfg, weights, cache, aux, dcp)
@@ -785,7 +839,7 @@ def run_path(
     state = {"cache": cache}
 
     def call() -> jax.Array:
-        out, state["cache"], _ = compiled(weights, state["cache"], x, pos)
+        out, state["cache"], _ = compiled(weights, state["cache"], x, pos, exchange_step())
         return out
 
     median = None

@@ -29,12 +29,9 @@
 // No CUDA toolkit is needed to build this file: the driver's types and entry-point typedefs
 // come from cuda.h and cudaTypedefs.h of the nvidia-cuda-runtime wheel (a build requirement),
 // and the entry points are resolved from libcuda.so.1 at run time with cuGetProcAddress,
-// requesting the CUDA 12.0 ABI of each (so a 12.x driver still works). The PFN_*_vNNNNN
-// typedefs below are the versions that ABI returns.
+// requesting the CUDA 12.0 ABI of each (so a 12.x driver still works); see cuda_driver.h.
 
-#include <cuda.h>
-#include <cudaTypedefs.h>
-#include <dlfcn.h>
+#include "cuda_driver.h"
 
 #include <cstdint>
 #include <memory>
@@ -53,117 +50,8 @@ using cudaStream_t = CUstream;
 
 namespace cu {
 
-constexpr int kProcAddressVersion = 12000;
 constexpr unsigned int kPortableClusterSize = 8;
 constexpr int64_t kMaxGridY = 65535;
-
-// Driver entry points, resolved once per process. Immutable after that; the per-executable
-// state lives in KernelState.
-struct Driver {
-  PFN_cuGetErrorName_v6000 GetErrorName;
-  PFN_cuGetErrorString_v6000 GetErrorString;
-  PFN_cuInit_v2000 Init;
-  PFN_cuDeviceGetCount_v2000 DeviceGetCount;
-  PFN_cuDeviceGet_v2000 DeviceGet;
-  PFN_cuDevicePrimaryCtxGetState_v7000 DevicePrimaryCtxGetState;
-  PFN_cuDevicePrimaryCtxRetain_v7000 DevicePrimaryCtxRetain;
-  PFN_cuDevicePrimaryCtxRelease_v11000 DevicePrimaryCtxRelease;
-  PFN_cuCtxGetCurrent_v4000 CtxGetCurrent;
-  PFN_cuCtxPushCurrent_v4000 CtxPushCurrent;
-  PFN_cuCtxPopCurrent_v4000 CtxPopCurrent;
-  PFN_cuModuleLoadData_v2000 ModuleLoadData;
-  PFN_cuModuleUnload_v2000 ModuleUnload;
-  PFN_cuModuleGetFunction_v2000 ModuleGetFunction;
-  PFN_cuFuncSetAttribute_v9000 FuncSetAttribute;
-  PFN_cuStreamGetCtx_v9020 StreamGetCtx;
-  PFN_cuLaunchKernelEx_v11060 LaunchKernelEx;
-};
-
-// Formats a failed driver call as "<call>: CUDA_ERROR_NAME (description)".
-std::string Describe(const Driver& driver, std::string_view call, CUresult result) {
-  const char* name = nullptr;
-  const char* text = nullptr;
-  if (driver.GetErrorName == nullptr || driver.GetErrorName(result, &name) != CUDA_SUCCESS) {
-    name = nullptr;
-  }
-  if (driver.GetErrorString == nullptr || driver.GetErrorString(result, &text) != CUDA_SUCCESS) {
-    text = nullptr;
-  }
-  std::string message(call);
-  message += " failed: ";
-  message += name != nullptr ? name : ("CUresult " + std::to_string(result));
-  if (text != nullptr) {
-    message += " (";
-    message += text;
-    message += ")";
-  }
-  return message;
-}
-
-ffi::Error Check(const Driver& driver, std::string_view call, CUresult result) {
-  if (result == CUDA_SUCCESS) return ffi::Error::Success();
-  return ffi::Error::Internal("jax_sparse_mla: " + Describe(driver, call, result));
-}
-
-struct LoadedDriver {
-  Driver driver{};
-  std::string error;  // empty when the driver loaded and initialized
-};
-
-LoadedDriver LoadDriver() {
-  LoadedDriver loaded;
-  void* library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
-  if (library == nullptr) {
-    const char* reason = dlerror();
-    loaded.error = std::string("cannot load the CUDA driver libcuda.so.1: ") +
-                   (reason != nullptr ? reason : "unknown dlopen error");
-    return loaded;
-  }
-  auto get_proc =
-      reinterpret_cast<PFN_cuGetProcAddress_v12000>(dlsym(library, "cuGetProcAddress_v2"));
-  if (get_proc == nullptr) {
-    loaded.error = "libcuda.so.1 has no cuGetProcAddress_v2: a CUDA 12.0 or newer driver is needed";
-    return loaded;
-  }
-  Driver& d = loaded.driver;
-  const std::pair<const char*, void**> entries[] = {
-      {"cuGetErrorName", reinterpret_cast<void**>(&d.GetErrorName)},
-      {"cuGetErrorString", reinterpret_cast<void**>(&d.GetErrorString)},
-      {"cuInit", reinterpret_cast<void**>(&d.Init)},
-      {"cuDeviceGetCount", reinterpret_cast<void**>(&d.DeviceGetCount)},
-      {"cuDeviceGet", reinterpret_cast<void**>(&d.DeviceGet)},
-      {"cuDevicePrimaryCtxGetState", reinterpret_cast<void**>(&d.DevicePrimaryCtxGetState)},
-      {"cuDevicePrimaryCtxRetain", reinterpret_cast<void**>(&d.DevicePrimaryCtxRetain)},
-      {"cuDevicePrimaryCtxRelease", reinterpret_cast<void**>(&d.DevicePrimaryCtxRelease)},
-      {"cuCtxGetCurrent", reinterpret_cast<void**>(&d.CtxGetCurrent)},
-      {"cuCtxPushCurrent", reinterpret_cast<void**>(&d.CtxPushCurrent)},
-      {"cuCtxPopCurrent", reinterpret_cast<void**>(&d.CtxPopCurrent)},
-      {"cuModuleLoadData", reinterpret_cast<void**>(&d.ModuleLoadData)},
-      {"cuModuleUnload", reinterpret_cast<void**>(&d.ModuleUnload)},
-      {"cuModuleGetFunction", reinterpret_cast<void**>(&d.ModuleGetFunction)},
-      {"cuFuncSetAttribute", reinterpret_cast<void**>(&d.FuncSetAttribute)},
-      {"cuStreamGetCtx", reinterpret_cast<void**>(&d.StreamGetCtx)},
-      {"cuLaunchKernelEx", reinterpret_cast<void**>(&d.LaunchKernelEx)},
-  };
-  for (const auto& [symbol, slot] : entries) {
-    CUdriverProcAddressQueryResult found{};
-    CUresult result = get_proc(symbol, slot, kProcAddressVersion, /*flags=*/0, &found);
-    if (result != CUDA_SUCCESS || *slot == nullptr) {
-      loaded.error = std::string("the CUDA driver lacks ") + symbol + " (CUDA 12.0 ABI)";
-      return loaded;
-    }
-  }
-  if (CUresult result = d.Init(0); result != CUDA_SUCCESS) {
-    loaded.error = Describe(d, "cuInit", result);
-  }
-  return loaded;
-}
-
-// The process-wide driver table, or the reason it is unavailable.
-const LoadedDriver& GetDriver() {
-  static const LoadedDriver* driver = new LoadedDriver(LoadDriver());
-  return *driver;
-}
 
 }  // namespace cu
 
@@ -476,8 +364,7 @@ ffi::Error Execute(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8Buff
 
 }  // namespace
 
-// The library's only exported symbols (it is built with hidden visibility).
-#define JAX_SPARSE_MLA_EXPORT extern "C" __attribute__((visibility("default")))
+// Exported symbols of the decode handler (the library is built with hidden visibility).
 JAX_SPARSE_MLA_EXPORT XLA_FFI_Error* JaxSparseMlaDecodeInstantiate(XLA_FFI_CallFrame* call_frame);
 JAX_SPARSE_MLA_EXPORT XLA_FFI_Error* JaxSparseMlaDecodeExecute(XLA_FFI_CallFrame* call_frame);
 JAX_SPARSE_MLA_EXPORT XLA_FFI_TypeId* JaxSparseMlaDecodeStateTypeId();

@@ -17,6 +17,9 @@ Per call, inside ``jax.shard_map``, the collectives are:
    are cheaper than a second collective. Integer words, not bf16: no backend may touch
    the bits (an f32 half can look like a bf16 NaN).
 
+``exchange="push"`` replaces step 2 on CUDA GPUs with the one-sided exchange of
+``push_exchange`` (mailboxes set up once by ``dcp_setup``); elsewhere it runs as above.
+
 The KV cache never moves.
 """
 
@@ -28,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_sparse_mla import validation
+from jax_sparse_mla import push_exchange, validation
 from jax_sparse_mla.merge import merge_along
 from jax_sparse_mla.ops import decode
 
@@ -42,6 +45,7 @@ block table): out of range for every cache, so a kernel that read it would skip 
 _PACKED_DIM = validation.LATENT + 2
 
 AxisName = Hashable | Sequence[Hashable]
+EXCHANGES = ("collectives", "push")
 
 
 def _shape_str(x: jax.Array) -> str:
@@ -147,6 +151,34 @@ def _axis_size(axis_name: AxisName) -> int:
         ) from error
 
 
+def _step_scalar(step) -> jax.Array:
+    if step is None:
+        raise ValueError(
+            "dcp_decode(exchange='push') needs step=, the decode step counter (an int32 "
+            "scalar, traced or not) whose parity picks the mailbox slot"
+        )
+    if not jnp.issubdtype(jnp.result_type(step), jnp.integer) or jnp.ndim(step) != 0:
+        raise TypeError(f"step must be an integer scalar, got {getattr(step, 'shape', step)!r}")
+    return jnp.asarray(step, jnp.int32)
+
+
+def _collectives_exchange(latent, lse, *, axis_name, dcp_size):
+    """all_to_all of the packed partials, then the merge (see the module docstring)."""
+    batch, gathered, _ = latent.shape
+    heads_own = gathered // dcp_size
+    # [B, D*H_own, ...] -> [B, D, H_own, ...] is free; the all_to_all then sends slice
+    # [:, r] to rank r and stacks what it receives by source rank along the same axis.
+    latent = lax.bitcast_convert_type(latent, jnp.uint16)
+    lse = lax.bitcast_convert_type(lse, jnp.uint16)
+    packed = jnp.concatenate([latent, lse], axis=-1).reshape(
+        batch, dcp_size, heads_own, _PACKED_DIM
+    )
+    packed = lax.all_to_all(packed, axis_name, split_axis=1, concat_axis=1, tiled=True)
+    latent = lax.bitcast_convert_type(packed[..., : validation.LATENT], jnp.bfloat16)
+    lse = lax.bitcast_convert_type(packed[..., validation.LATENT :], jnp.float32)
+    return merge_along(latent, lse, axis=1)
+
+
 def dcp_decode(
     q: jax.Array,
     kv: jax.Array,
@@ -158,6 +190,8 @@ def dcp_decode(
     q_scale: float | jax.Array = 1.0,
     kv_scale: float | jax.Array = 1.0,
     implementation: str | None = None,
+    exchange: str = "collectives",
+    step: int | jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Sparse MLA decode under decode context parallelism; call inside ``jax.shard_map``.
 
@@ -177,6 +211,15 @@ def dcp_decode(
       axis_name: the mesh axis (or axes) the cache is sharded over.
       softmax_scale, q_scale, kv_scale, implementation: as for ``jax_sparse_mla.decode``
         (same on every rank).
+      exchange: how the partials reach their owners. "collectives" (default): one XLA
+        all_to_all, any platform. "push": on CUDA GPUs set up by ``jax_sparse_mla.dcp_setup``,
+        each rank's kernel stores the partials straight into the owners' mailboxes and the
+        owner merges them (see ``jax_sparse_mla.push_exchange``: its step rule, timeout and
+        errors); with ``implementation="reference"`` or on other platforms it runs as
+        "collectives", with the same results.
+      step: int32 scalar (traced or not), required with "push": consecutive push exchanges
+        must alternate its parity (a decode loop's counter; ``step * layers + layer`` with
+        several exchanges per step). Unused by "collectives".
 
     Returns:
       latent: [B, H_own, 512] bfloat16, this rank's heads merged over all ranks' keys.
@@ -185,8 +228,12 @@ def dcp_decode(
 
     Numerics: each rank's partial is rounded to bf16 before the exchange (as the kernel's
     output), the LSE travels exactly, and the merge runs in f32 with one final bf16
-    rounding.
+    rounding. The push merge uses the GPU's exp2/log2 approximations: it agrees with the
+    collectives' merge to within a bf16 rounding, not bit for bit.
     """
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    step_value = _step_scalar(step) if exchange == "push" else None
     # Checked on this rank's shard, before the gather, so errors show the local shapes.
     validation.check_decode_args(q, kv, rows, valid)
     dcp_size = _axis_size(axis_name)
@@ -199,20 +246,22 @@ def dcp_decode(
     if dcp_size == 1:
         return decode(q, kv, rows, valid, **kwargs)
 
-    batch, heads_own, _ = q.shape
     # Gathered as raw bytes: a backend may widen an FP8 collective (XLA:CPU gathers f16).
     gathered = lax.all_gather(lax.bitcast_convert_type(q, jnp.uint8), axis_name, axis=1, tiled=True)
     gathered = lax.bitcast_convert_type(gathered, q.dtype)
     latent, lse = decode(gathered, kv, rows, valid, **kwargs)
 
-    # [B, D*H_own, ...] -> [B, D, H_own, ...] is free; the all_to_all then sends slice
-    # [:, r] to rank r and stacks what it receives by source rank along the same axis.
-    latent = lax.bitcast_convert_type(latent, jnp.uint16)
-    lse = lax.bitcast_convert_type(lse, jnp.uint16)
-    packed = jnp.concatenate([latent, lse], axis=-1).reshape(
-        batch, dcp_size, heads_own, _PACKED_DIM
-    )
-    packed = lax.all_to_all(packed, axis_name, split_axis=1, concat_axis=1, tiled=True)
-    latent = lax.bitcast_convert_type(packed[..., : validation.LATENT], jnp.bfloat16)
-    lse = lax.bitcast_convert_type(packed[..., validation.LATENT :], jnp.float32)
-    return merge_along(latent, lse, axis=1)
+    def collectives(latent, lse, rank, step):
+        del rank, step
+        return _collectives_exchange(latent, lse, axis_name=axis_name, dcp_size=dcp_size)
+
+    if exchange == "collectives" or implementation == "reference":
+        return collectives(latent, lse, None, None)
+
+    def push(latent, lse, rank, step):
+        merged = push_exchange.exchange(latent, lse, rank=rank, step=step, dcp_size=dcp_size)
+        # Typed like the collectives' results: they vary over the axis (shard_map's check_vma).
+        return lax.pcast(merged, axis_name, to="varying")
+
+    rank = lax.axis_index(axis_name).astype(jnp.int32)
+    return lax.platform_dependent(latent, lse, rank, step_value, default=collectives, cuda=push)

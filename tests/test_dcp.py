@@ -266,11 +266,24 @@ def shard_paged_cache(rng, seqs, dcp, block_size, spare_blocks=2):
     return pools, jnp.asarray(np.concatenate(tables).astype(np.int32))
 
 
-def run_dcp(mesh, q, kv, tokens, table, *, block_size, q_scale, kv_scale):
-    """dcp_decode under shard_map; local_rows inside with the traced rank."""
+def run_dcp(
+    mesh,
+    q,
+    kv,
+    tokens,
+    table,
+    *,
+    block_size,
+    q_scale,
+    kv_scale,
+    implementation=None,
+    exchange="collectives",
+    step=0,
+):
+    """dcp_decode under shard_map; local_rows inside with the traced rank (and step)."""
     dcp = mesh.shape[AXIS]
 
-    def body(q, kv, tokens, table, q_scale, kv_scale):
+    def body(q, kv, tokens, table, q_scale, kv_scale, step):
         rank = lax.axis_index(AXIS)
         paged = {} if table is None else dict(block_table=table, block_size=block_size)
         rows, valid = local_rows(tokens, rank=rank, dcp_size=dcp, **paged)
@@ -283,12 +296,15 @@ def run_dcp(mesh, q, kv, tokens, table, *, block_size, q_scale, kv_scale):
             softmax_scale=SOFTMAX_SCALE,
             q_scale=q_scale,
             kv_scale=kv_scale,
+            implementation=implementation,
+            exchange=exchange,
+            step=step,
         )
 
-    in_specs = (P(None, AXIS), P(AXIS), P(), None if table is None else P(AXIS), P(), P())
+    in_specs = (P(None, AXIS), P(AXIS), P(), None if table is None else P(AXIS), P(), P(), P())
     out_specs = (P(None, AXIS), P(None, AXIS))
     fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
-    return fn(q, kv, jnp.asarray(tokens), table, q_scale, kv_scale)
+    return fn(q, kv, jnp.asarray(tokens), table, q_scale, kv_scale, jnp.int32(step))
 
 
 def global_rows(tokens, seq_length=0, per_row_seq=False):

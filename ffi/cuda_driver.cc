@@ -1,0 +1,102 @@
+#include "cuda_driver.h"
+
+#include <dlfcn.h>
+
+#include <utility>
+
+namespace cu {
+
+std::string Describe(const Driver& driver, std::string_view call, CUresult result) {
+  const char* name = nullptr;
+  const char* text = nullptr;
+  if (driver.GetErrorName == nullptr || driver.GetErrorName(result, &name) != CUDA_SUCCESS) {
+    name = nullptr;
+  }
+  if (driver.GetErrorString == nullptr || driver.GetErrorString(result, &text) != CUDA_SUCCESS) {
+    text = nullptr;
+  }
+  std::string message(call);
+  message += " failed: ";
+  message += name != nullptr ? name : ("CUresult " + std::to_string(result));
+  if (text != nullptr) {
+    message += " (";
+    message += text;
+    message += ")";
+  }
+  return message;
+}
+
+xla::ffi::Error Check(const Driver& driver, std::string_view call, CUresult result) {
+  if (result == CUDA_SUCCESS) return xla::ffi::Error::Success();
+  return xla::ffi::Error::Internal("jax_sparse_mla: " + Describe(driver, call, result));
+}
+
+namespace {
+
+LoadedDriver LoadDriver() {
+  LoadedDriver loaded;
+  void* library = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (library == nullptr) {
+    const char* reason = dlerror();
+    loaded.error = std::string("cannot load the CUDA driver libcuda.so.1: ") +
+                   (reason != nullptr ? reason : "unknown dlopen error");
+    return loaded;
+  }
+  auto get_proc =
+      reinterpret_cast<PFN_cuGetProcAddress_v12000>(dlsym(library, "cuGetProcAddress_v2"));
+  if (get_proc == nullptr) {
+    loaded.error = "libcuda.so.1 has no cuGetProcAddress_v2: a CUDA 12.0 or newer driver is needed";
+    return loaded;
+  }
+  Driver& d = loaded.driver;
+  const std::pair<const char*, void**> entries[] = {
+      {"cuGetErrorName", reinterpret_cast<void**>(&d.GetErrorName)},
+      {"cuGetErrorString", reinterpret_cast<void**>(&d.GetErrorString)},
+      {"cuInit", reinterpret_cast<void**>(&d.Init)},
+      {"cuDeviceGetCount", reinterpret_cast<void**>(&d.DeviceGetCount)},
+      {"cuDeviceGet", reinterpret_cast<void**>(&d.DeviceGet)},
+      {"cuDeviceCanAccessPeer", reinterpret_cast<void**>(&d.DeviceCanAccessPeer)},
+      {"cuDevicePrimaryCtxGetState", reinterpret_cast<void**>(&d.DevicePrimaryCtxGetState)},
+      {"cuDevicePrimaryCtxRetain", reinterpret_cast<void**>(&d.DevicePrimaryCtxRetain)},
+      {"cuDevicePrimaryCtxRelease", reinterpret_cast<void**>(&d.DevicePrimaryCtxRelease)},
+      {"cuCtxGetCurrent", reinterpret_cast<void**>(&d.CtxGetCurrent)},
+      {"cuCtxPushCurrent", reinterpret_cast<void**>(&d.CtxPushCurrent)},
+      {"cuCtxPopCurrent", reinterpret_cast<void**>(&d.CtxPopCurrent)},
+      {"cuCtxSynchronize", reinterpret_cast<void**>(&d.CtxSynchronize)},
+      {"cuCtxEnablePeerAccess", reinterpret_cast<void**>(&d.CtxEnablePeerAccess)},
+      {"cuMemAlloc", reinterpret_cast<void**>(&d.MemAlloc)},
+      {"cuMemFree", reinterpret_cast<void**>(&d.MemFree)},
+      {"cuMemsetD8", reinterpret_cast<void**>(&d.MemsetD8)},
+      {"cuMemcpyHtoD", reinterpret_cast<void**>(&d.MemcpyHtoD)},
+      {"cuMemHostAlloc", reinterpret_cast<void**>(&d.MemHostAlloc)},
+      {"cuMemFreeHost", reinterpret_cast<void**>(&d.MemFreeHost)},
+      {"cuMemHostGetDevicePointer", reinterpret_cast<void**>(&d.MemHostGetDevicePointer)},
+      {"cuModuleLoadData", reinterpret_cast<void**>(&d.ModuleLoadData)},
+      {"cuModuleUnload", reinterpret_cast<void**>(&d.ModuleUnload)},
+      {"cuModuleGetFunction", reinterpret_cast<void**>(&d.ModuleGetFunction)},
+      {"cuFuncSetAttribute", reinterpret_cast<void**>(&d.FuncSetAttribute)},
+      {"cuStreamGetCtx", reinterpret_cast<void**>(&d.StreamGetCtx)},
+      {"cuLaunchKernelEx", reinterpret_cast<void**>(&d.LaunchKernelEx)},
+  };
+  for (const auto& [symbol, slot] : entries) {
+    CUdriverProcAddressQueryResult found{};
+    CUresult result = get_proc(symbol, slot, kProcAddressVersion, /*flags=*/0, &found);
+    if (result != CUDA_SUCCESS || *slot == nullptr) {
+      loaded.error = std::string("the CUDA driver lacks ") + symbol + " (CUDA 12.0 ABI)";
+      return loaded;
+    }
+  }
+  if (CUresult result = d.Init(0); result != CUDA_SUCCESS) {
+    loaded.error = Describe(d, "cuInit", result);
+  }
+  return loaded;
+}
+
+}  // namespace
+
+const LoadedDriver& GetDriver() {
+  static const LoadedDriver* driver = new LoadedDriver(LoadDriver());
+  return *driver;
+}
+
+}  // namespace cu

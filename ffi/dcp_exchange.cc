@@ -1,0 +1,419 @@
+// One-sided DCP exchange (dcp_decode(exchange="push")): mailboxes, setup and two FFI handlers.
+//
+// Setup (JaxSparseMlaDcpSetup, called eagerly from Python by jax_sparse_mla.dcp_setup, once per
+// group of D devices along the mesh axis): on each device's primary context it allocates one
+// mailbox (device memory, zeroed), a host-mapped error record, loads the exchange kernels
+// (dcp_exchange.ptx, embedded; the driver compiles it) and enables peer access between all the
+// group's devices. The mailbox header holds the group's mailbox pointers and the device's rank,
+// so the kernels take no per-call pointers beyond XLA's buffers. Nothing is allocated in execute.
+//
+// Execute (targets "jax_sparse_mla_dcp_push" and "jax_sparse_mla_dcp_merge"): finds the mailbox
+// of the stream's context, checks shapes and capacity, and launches dcp_push (grid (D, B)) or
+// dcp_merge (grid (B)). The push returns a token the merge consumes, so XLA keeps them in order.
+// A failure the kernels detect (timeout, repeated step parity, rank mismatch) is written to the
+// error record; the next execute on that device returns it as an error, and
+// JaxSparseMlaDcpStatus reads it for jax_sparse_mla.dcp_check(). The handlers are not
+// command-buffer compatible on purpose: every execute looks the mailbox up again, so a graph
+// can never replay a mailbox that dcp_setup has since replaced, and the error check always runs.
+
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cuda_driver.h"
+#include "dcp_exchange_ptx.h"  // kDcpExchangePtx, generated from dcp_exchange.ptx by CMake
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using cudaStream_t = CUstream;
+
+namespace {
+
+// Header layout (bytes), shared with dcp_exchange.ptx.
+constexpr int kMaxRanks = 16;       // u64 peers[kMaxRanks] at 0
+constexpr size_t kRankOffset = 128;  // u32 rank, has_last, last_step, error_claimed
+constexpr size_t kFlagsOffset = 256;
+constexpr size_t kRegionAlign = 256;
+constexpr unsigned int kThreads = 256;
+constexpr int64_t kLatent = 512;
+constexpr int64_t kMaxGridY = 65535;
+
+// Error codes written by the kernels (dcp_exchange.ptx).
+constexpr uint32_t kTimeout = 1;
+constexpr uint32_t kParity = 2;
+constexpr uint32_t kRank = 3;
+
+struct Layout {
+  uint64_t latent_offset;
+  uint64_t lse_offset;
+  uint64_t bytes;
+};
+
+uint64_t AlignUp(uint64_t value, uint64_t alignment) {
+  return (value + alignment - 1) / alignment * alignment;
+}
+
+// flags u32[2][D][B] at kFlagsOffset, latents bf16[2][D][B][H][512], LSEs f32[2][D][B][H].
+Layout MakeLayout(uint64_t dcp, uint64_t batch, uint64_t heads) {
+  Layout layout{};
+  layout.latent_offset = AlignUp(kFlagsOffset + 4 * 2 * dcp * batch, kRegionAlign);
+  layout.lse_offset = layout.latent_offset + 2 * dcp * batch * heads * kLatent * 2;
+  layout.bytes = layout.lse_offset + 2 * dcp * batch * heads * 4;
+  return layout;
+}
+
+struct Mailbox {
+  int ordinal = -1;
+  int rank = -1;
+  int dcp_size = 0;
+  CUdevice device = 0;
+  CUcontext context = nullptr;  // the device's primary context (retained)
+  CUdeviceptr base = 0;
+  uint64_t capacity = 0;
+  uint64_t timeout_ns = 0;
+  volatile uint32_t* host_error = nullptr;  // u32[4]: code, step, row, source
+  CUdeviceptr device_error = 0;
+  CUmodule module = nullptr;
+  CUfunction push = nullptr;
+  CUfunction merge = nullptr;
+};
+
+std::mutex registry_mutex;
+std::vector<std::unique_ptr<Mailbox>> registry;
+
+Mailbox* FindByContext(CUcontext context) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  for (const auto& mailbox : registry) {
+    if (mailbox->context == context) return mailbox.get();
+  }
+  return nullptr;
+}
+
+// Frees what Create made (errors ignored: best effort on a device that may be failing).
+void Destroy(const cu::Driver& d, Mailbox& mailbox) {
+  if (mailbox.context == nullptr) return;
+  if (d.CtxPushCurrent(mailbox.context) == CUDA_SUCCESS) {
+    d.CtxSynchronize();
+    if (mailbox.module != nullptr) d.ModuleUnload(mailbox.module);
+    if (mailbox.base != 0) d.MemFree(mailbox.base);
+    if (mailbox.host_error != nullptr) d.MemFreeHost(const_cast<uint32_t*>(mailbox.host_error));
+    CUcontext popped = nullptr;
+    d.CtxPopCurrent(&popped);
+  }
+  d.DevicePrimaryCtxRelease(mailbox.device);
+  mailbox = Mailbox{};
+}
+
+// Runs `body` with `context` current.
+template <typename Body>
+std::string WithContext(const cu::Driver& d, CUcontext context, Body body) {
+  if (CUresult result = d.CtxPushCurrent(context); result != CUDA_SUCCESS) {
+    return cu::Describe(d, "cuCtxPushCurrent", result);
+  }
+  std::string error = body();
+  CUcontext popped = nullptr;
+  d.CtxPopCurrent(&popped);
+  return error;
+}
+
+#define RETURN_IF_FAILED(call, expr)                                        \
+  if (CUresult result_ = (expr); result_ != CUDA_SUCCESS) {                 \
+    return cu::Describe(d, call, result_);                                  \
+  }
+
+std::string Create(const cu::Driver& d, Mailbox& mailbox) {
+  RETURN_IF_FAILED("cuDeviceGet", d.DeviceGet(&mailbox.device, mailbox.ordinal));
+  RETURN_IF_FAILED("cuDevicePrimaryCtxRetain",
+                   d.DevicePrimaryCtxRetain(&mailbox.context, mailbox.device));
+  return WithContext(d, mailbox.context, [&]() -> std::string {
+    RETURN_IF_FAILED("cuMemAlloc (mailbox)", d.MemAlloc(&mailbox.base, mailbox.capacity));
+    RETURN_IF_FAILED("cuMemsetD8", d.MemsetD8(mailbox.base, 0, mailbox.capacity));
+    void* host = nullptr;
+    RETURN_IF_FAILED("cuMemHostAlloc (error record)",
+                     d.MemHostAlloc(&host, 16,
+                                    CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE));
+    std::memset(host, 0, 16);
+    mailbox.host_error = static_cast<volatile uint32_t*>(host);
+    RETURN_IF_FAILED("cuMemHostGetDevicePointer",
+                     d.MemHostGetDevicePointer(&mailbox.device_error, host, 0));
+    RETURN_IF_FAILED("cuModuleLoadData (dcp_exchange.ptx)",
+                     d.ModuleLoadData(&mailbox.module, kDcpExchangePtx));
+    RETURN_IF_FAILED("cuModuleGetFunction(dcp_push)",
+                     d.ModuleGetFunction(&mailbox.push, mailbox.module, "dcp_push"));
+    RETURN_IF_FAILED("cuModuleGetFunction(dcp_merge)",
+                     d.ModuleGetFunction(&mailbox.merge, mailbox.module, "dcp_merge"));
+    return "";
+  });
+}
+
+// Peer access to every other mailbox of the group, then the header: peers, rank.
+std::string Connect(const cu::Driver& d, Mailbox& mailbox,
+                    const std::vector<std::unique_ptr<Mailbox>>& group) {
+  return WithContext(d, mailbox.context, [&]() -> std::string {
+    uint64_t header[kRankOffset / 8 + 1] = {};
+    for (const auto& peer : group) {
+      header[peer->rank] = peer->base;
+      if (peer.get() == &mailbox) continue;
+      int possible = 0;
+      RETURN_IF_FAILED("cuDeviceCanAccessPeer",
+                       d.DeviceCanAccessPeer(&possible, mailbox.device, peer->device));
+      if (!possible) {
+        return "device " + std::to_string(mailbox.ordinal) + " cannot access device " +
+               std::to_string(peer->ordinal) + "'s memory (no peer access)";
+      }
+      CUresult result = d.CtxEnablePeerAccess(peer->context, 0);
+      if (result != CUDA_SUCCESS && result != CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED) {
+        return cu::Describe(d, "cuCtxEnablePeerAccess", result);
+      }
+    }
+    header[kRankOffset / 8] = static_cast<uint32_t>(mailbox.rank);  // has_last = 0
+    RETURN_IF_FAILED("cuMemcpyHtoD (mailbox header)",
+                     d.MemcpyHtoD(mailbox.base, header, sizeof(header)));
+    RETURN_IF_FAILED("cuCtxSynchronize", d.CtxSynchronize());
+    return "";
+  });
+}
+
+#undef RETURN_IF_FAILED
+
+std::string Setup(const int32_t* ordinals, int32_t dcp_size, int64_t capacity,
+                  int64_t timeout_ns) {
+  const cu::LoadedDriver& loaded = cu::GetDriver();
+  if (!loaded.error.empty()) return loaded.error;
+  const cu::Driver& d = loaded.driver;
+  if (dcp_size < 2 || dcp_size > kMaxRanks) {
+    return "the group must have 2 to " + std::to_string(kMaxRanks) + " devices, got " +
+           std::to_string(dcp_size);
+  }
+  if (capacity < static_cast<int64_t>(kFlagsOffset) || timeout_ns < 1) {
+    return "capacity_bytes and timeout must be positive";
+  }
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  // A device set up again gets a fresh mailbox (this is also how an exchange that failed is
+  // reset): the old one is synchronized and freed first.
+  for (auto it = registry.begin(); it != registry.end();) {
+    bool replaced = false;
+    for (int r = 0; r < dcp_size; ++r) replaced |= (*it)->ordinal == ordinals[r];
+    if (replaced) {
+      Destroy(d, **it);
+      it = registry.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  std::vector<std::unique_ptr<Mailbox>> group;
+  std::string error;
+  for (int r = 0; r < dcp_size && error.empty(); ++r) {
+    auto mailbox = std::make_unique<Mailbox>();
+    mailbox->ordinal = ordinals[r];
+    mailbox->rank = r;
+    mailbox->dcp_size = dcp_size;
+    mailbox->capacity = static_cast<uint64_t>(capacity);
+    mailbox->timeout_ns = static_cast<uint64_t>(timeout_ns);
+    error = Create(d, *mailbox);
+    group.push_back(std::move(mailbox));
+  }
+  for (size_t r = 0; r < group.size() && error.empty(); ++r) error = Connect(d, *group[r], group);
+  if (!error.empty()) {
+    for (auto& mailbox : group) Destroy(d, *mailbox);
+    return error;
+  }
+  for (auto& mailbox : group) registry.push_back(std::move(mailbox));
+  return "";
+}
+
+ffi::Error Failed(std::string message) {
+  return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "jax_sparse_mla: " + std::move(message));
+}
+
+// The stream's mailbox, checked for a recorded failure and for the caller's group size.
+ffi::ErrorOr<Mailbox*> MailboxFor(cudaStream_t stream, int64_t dcp_size) {
+  using Unexpected = ffi::Unexpected<ffi::Error>;
+  const cu::LoadedDriver& loaded = cu::GetDriver();
+  if (!loaded.error.empty()) return Unexpected(Failed(loaded.error));
+  const cu::Driver& d = loaded.driver;
+  CUcontext context = nullptr;
+  if (ffi::Error error = cu::Check(d, "cuStreamGetCtx", d.StreamGetCtx(stream, &context));
+      error.failure()) {
+    return Unexpected(error);
+  }
+  Mailbox* mailbox = FindByContext(context);
+  if (mailbox == nullptr) {
+    return Unexpected(Failed(
+        "dcp_decode(exchange='push') ran on a device without a mailbox: call "
+        "jax_sparse_mla.dcp_setup(mesh, axis_name) once before the first call"));
+  }
+  if (uint32_t code = mailbox->host_error[0]; code != 0) {
+    const char* what = code == kTimeout  ? "timed out waiting for a rank's partials"
+                       : code == kParity ? "step had the previous exchange's parity"
+                       : code == kRank   ? "axis rank disagreed with dcp_setup's device order"
+                                         : "failed";
+    return Unexpected(Failed(
+        "an earlier push exchange on device " + std::to_string(mailbox->ordinal) + " " + what +
+        " (step " + std::to_string(static_cast<int32_t>(mailbox->host_error[1])) + ", row " +
+        std::to_string(mailbox->host_error[2]) + ", source " +
+        std::to_string(mailbox->host_error[3]) +
+        "); its rows are NaN. Call jax_sparse_mla.dcp_setup again to reset the exchange"));
+  }
+  if (dcp_size != mailbox->dcp_size) {
+    return Unexpected(Failed("dcp_decode runs over " + std::to_string(dcp_size) +
+                             " ranks but dcp_setup made groups of " +
+                             std::to_string(mailbox->dcp_size)));
+  }
+  return mailbox;
+}
+
+ffi::ErrorOr<Layout> CheckedLayout(const Mailbox& mailbox, int64_t batch, int64_t heads) {
+  using Unexpected = ffi::Unexpected<ffi::Error>;
+  if (batch < 1 || batch > kMaxGridY || heads < 1) {
+    return Unexpected(ffi::Error::InvalidArgument(
+        "jax_sparse_mla: push exchange sizes out of range: B=" + std::to_string(batch) +
+        " (1.." + std::to_string(kMaxGridY) + "), H_own=" + std::to_string(heads)));
+  }
+  Layout layout = MakeLayout(mailbox.dcp_size, batch, heads);
+  if (layout.bytes > mailbox.capacity) {
+    return Unexpected(Failed("the push exchange of B=" + std::to_string(batch) +
+                             ", H_own=" + std::to_string(heads) + " needs " +
+                             std::to_string(layout.bytes) + " mailbox bytes; dcp_setup gave " +
+                             std::to_string(mailbox.capacity) + " (raise capacity_bytes)"));
+  }
+  return layout;
+}
+
+ffi::Error Launch(CUfunction function, cudaStream_t stream, unsigned int grid_x,
+                  unsigned int grid_y, void** params) {
+  const cu::Driver& d = cu::GetDriver().driver;
+  CUlaunchConfig config{};
+  config.gridDimX = grid_x;
+  config.gridDimY = grid_y;
+  config.gridDimZ = 1;
+  config.blockDimX = kThreads;
+  config.blockDimY = 1;
+  config.blockDimZ = 1;
+  config.hStream = stream;
+  return cu::Check(d, "cuLaunchKernelEx", d.LaunchKernelEx(&config, function, params, nullptr));
+}
+
+using LatentBuffer = ffi::Buffer<ffi::BF16, 3>;
+using LseBuffer = ffi::Buffer<ffi::F32, 2>;
+using ScalarBuffer = ffi::Buffer<ffi::S32, 0>;
+using TokenBuffer = ffi::Buffer<ffi::S32, 1>;
+
+ffi::Error Push(cudaStream_t stream, LatentBuffer latent, LseBuffer lse, ScalarBuffer rank,
+                ScalarBuffer step, ffi::Result<TokenBuffer> /*token*/, int64_t dcp_size) {
+  ffi::ErrorOr<Mailbox*> found = MailboxFor(stream, dcp_size);
+  if (found.has_error()) return found.error();
+  Mailbox& mailbox = *found.value();
+  const int64_t batch = latent.dimensions()[0];
+  const int64_t gathered = latent.dimensions()[1];
+  if (gathered % dcp_size != 0 || latent.dimensions()[2] != kLatent ||
+      lse.dimensions()[0] != batch || lse.dimensions()[1] != gathered) {
+    return ffi::Error::InvalidArgument("jax_sparse_mla: push operands must be latent [B, D*H, " +
+                                       std::to_string(kLatent) + "] and lse [B, D*H]");
+  }
+  const int64_t heads = gathered / dcp_size;
+  ffi::ErrorOr<Layout> layout = CheckedLayout(mailbox, batch, heads);
+  if (layout.has_error()) return layout.error();
+
+  void* latent_ptr = latent.untyped_data();
+  void* lse_ptr = lse.untyped_data();
+  void* rank_ptr = rank.untyped_data();
+  void* step_ptr = step.untyped_data();
+  CUdeviceptr header = mailbox.base;
+  CUdeviceptr error = mailbox.device_error;
+  uint64_t latent_offset = layout.value().latent_offset;
+  uint64_t lse_offset = layout.value().lse_offset;
+  uint32_t batch_param = static_cast<uint32_t>(batch);
+  uint32_t heads_param = static_cast<uint32_t>(heads);
+  uint32_t dcp_param = static_cast<uint32_t>(dcp_size);
+  void* params[] = {&latent_ptr,    &lse_ptr,    &rank_ptr,    &step_ptr,
+                    &header,        &error,      &latent_offset, &lse_offset,
+                    &batch_param,   &heads_param, &dcp_param};
+  return Launch(mailbox.push, stream, static_cast<unsigned int>(dcp_size),
+                static_cast<unsigned int>(batch), params);
+}
+
+ffi::Error Merge(cudaStream_t stream, TokenBuffer /*token*/, ScalarBuffer step,
+                 ffi::Result<LatentBuffer> latent, ffi::Result<LseBuffer> lse, int64_t dcp_size) {
+  ffi::ErrorOr<Mailbox*> found = MailboxFor(stream, dcp_size);
+  if (found.has_error()) return found.error();
+  Mailbox& mailbox = *found.value();
+  const int64_t batch = latent->dimensions()[0];
+  const int64_t heads = latent->dimensions()[1];
+  if (latent->dimensions()[2] != kLatent || lse->dimensions()[0] != batch ||
+      lse->dimensions()[1] != heads) {
+    return ffi::Error::InvalidArgument("jax_sparse_mla: merge results must be latent [B, H, " +
+                                       std::to_string(kLatent) + "] and lse [B, H]");
+  }
+  ffi::ErrorOr<Layout> layout = CheckedLayout(mailbox, batch, heads);
+  if (layout.has_error()) return layout.error();
+
+  void* latent_ptr = latent->untyped_data();
+  void* lse_ptr = lse->untyped_data();
+  void* step_ptr = step.untyped_data();
+  CUdeviceptr header = mailbox.base;
+  CUdeviceptr error = mailbox.device_error;
+  uint64_t latent_offset = layout.value().latent_offset;
+  uint64_t lse_offset = layout.value().lse_offset;
+  uint64_t timeout_ns = mailbox.timeout_ns;
+  uint32_t batch_param = static_cast<uint32_t>(batch);
+  uint32_t heads_param = static_cast<uint32_t>(heads);
+  uint32_t dcp_param = static_cast<uint32_t>(dcp_size);
+  void* params[] = {&latent_ptr,    &lse_ptr,    &step_ptr,    &header,
+                    &error,         &latent_offset, &lse_offset, &timeout_ns,
+                    &batch_param,   &heads_param, &dcp_param};
+  return Launch(mailbox.merge, stream, static_cast<unsigned int>(batch), 1, params);
+}
+
+}  // namespace
+
+// Sets up one group (rank r is CUDA device ordinals[r]). Returns 0, or 1 with a NUL-terminated
+// reason in `message`.
+JAX_SPARSE_MLA_EXPORT int JaxSparseMlaDcpSetup(const int32_t* ordinals, int32_t dcp_size,
+                                               int64_t capacity_bytes, int64_t timeout_ns,
+                                               char* message, int64_t message_bytes) {
+  std::string error = Setup(ordinals, dcp_size, capacity_bytes, timeout_ns);
+  if (error.empty()) return 0;
+  if (message_bytes > 0) {
+    std::strncpy(message, error.c_str(), static_cast<size_t>(message_bytes - 1));
+    message[message_bytes - 1] = '\0';
+  }
+  return 1;
+}
+
+// Copies device `ordinal`'s error record (code, step, row, source; code 0 = none) into
+// `record`. Returns 0, or -1 when the device has no mailbox.
+JAX_SPARSE_MLA_EXPORT int JaxSparseMlaDcpStatus(int32_t ordinal, uint32_t* record) {
+  std::lock_guard<std::mutex> lock(registry_mutex);
+  for (const auto& mailbox : registry) {
+    if (mailbox->ordinal != ordinal) continue;
+    for (int i = 0; i < 4; ++i) record[i] = mailbox->host_error[i];
+    return 0;
+  }
+  return -1;
+}
+
+JAX_SPARSE_MLA_EXPORT XLA_FFI_Error* JaxSparseMlaDcpPush(XLA_FFI_CallFrame* call_frame);
+JAX_SPARSE_MLA_EXPORT XLA_FFI_Error* JaxSparseMlaDcpMerge(XLA_FFI_CallFrame* call_frame);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaDcpPush, Push,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<LatentBuffer>()   // partials of all owners' heads
+                                  .Arg<LseBuffer>()      // their LSEs
+                                  .Arg<ScalarBuffer>()   // rank (lax.axis_index)
+                                  .Arg<ScalarBuffer>()   // step
+                                  .Ret<TokenBuffer>()    // orders the merge after the push
+                                  .Attr<int64_t>("dcp_size"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaDcpMerge, Merge,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<TokenBuffer>()
+                                  .Arg<ScalarBuffer>()  // step
+                                  .Ret<LatentBuffer>()  // merged rows of this rank's heads
+                                  .Ret<LseBuffer>()
+                                  .Attr<int64_t>("dcp_size"));

@@ -1,0 +1,251 @@
+"""The one-sided DCP exchange (``dcp_decode(exchange="push")``) on CUDA GPUs of one process.
+
+Each rank's partials are pushed by a small kernel straight into the owner's mailbox on the
+owner's GPU (plain stores over NVLink, a system-scope release of one flag per source and row);
+the owner's merge kernel acquire-polls those flags with a bounded wait and merges by LSE into
+the final rows. No collective is involved. The mailboxes belong to the FFI library
+(``ffi/dcp_exchange.cc``): ``dcp_setup`` allocates, zeroes and peer-maps them eagerly, once,
+before the first call; nothing is allocated while a program runs.
+
+The caller's ``step`` (a traced int32) picks the mailbox slot ``step & 1`` and the flag value
+``(step & 0x7fffffff) + 1``. Consecutive push exchanges on a mesh must alternate parity (a
+decode loop's counter; with several exchanges per decode step, e.g. one per layer, use
+``step * num_layers + layer``); the push kernel refuses a repeated parity, and the owners then
+time out with NaN rows and a recorded error rather than read a slot still being merged.
+
+Failures (a rank whose push never arrives within the timeout, a repeated parity, a rank that
+disagrees with ``dcp_setup``'s device order) give NaN rows for the affected rows and an error
+record per device: the next exchange on that device raises it, ``dcp_check()`` raises it on
+demand, and ``dcp_setup`` again resets the exchange.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import threading
+from collections.abc import Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax._src import dispatch
+from jax.core import ShapedArray
+from jax.extend import core
+from jax.interpreters import mlir
+
+from jax_sparse_mla import cuda_lowering
+from jax_sparse_mla.validation import LATENT
+
+__all__ = ["DEFAULT_CAPACITY_BYTES", "DEFAULT_TIMEOUT_S", "dcp_check", "dcp_setup", "exchange"]
+
+PUSH_TARGET = "jax_sparse_mla_dcp_push"
+MERGE_TARGET = "jax_sparse_mla_dcp_merge"
+DEFAULT_CAPACITY_BYTES = 64 << 20
+"""Mailbox bytes per device: about ``4 * D * B * H_own * 1028`` are needed (two slots, D sources,
+bf16 rows and f32 LSEs), so the default holds e.g. D=8, B=64, H_own=16."""
+DEFAULT_TIMEOUT_S = 5.0
+"""How long a merge waits for a rank's partials before it gives NaN rows and an error."""
+
+_ERRORS = {
+    1: "timed out waiting for the partials of a rank",
+    2: "was given a step with the previous exchange's parity (steps must alternate)",
+    3: "ran with an axis rank that disagrees with dcp_setup's device order",
+}
+
+log = logging.getLogger("jax_sparse_mla")
+_LOCK = threading.Lock()
+_library: ctypes.CDLL | None = None
+_ready_ordinals: set[int] = set()  # CUDA devices with a mailbox, for dcp_check
+
+
+def _load_library() -> ctypes.CDLL:
+    """The handler library with the exchange's targets registered for CUDA (once)."""
+    global _library
+    with _LOCK:
+        if _library is None:
+            library = ctypes.CDLL(str(cuda_lowering.find_library()))
+            library.JaxSparseMlaDcpSetup.argtypes = [
+                ctypes.POINTER(ctypes.c_int32),
+                ctypes.c_int32,
+                ctypes.c_int64,
+                ctypes.c_int64,
+                ctypes.c_char_p,
+                ctypes.c_int64,
+            ]
+            library.JaxSparseMlaDcpStatus.argtypes = [
+                ctypes.c_int32,
+                ctypes.POINTER(ctypes.c_uint32),
+            ]
+            targets = {PUSH_TARGET: "JaxSparseMlaDcpPush", MERGE_TARGET: "JaxSparseMlaDcpMerge"}
+            for target, symbol in targets.items():
+                handler = jax.ffi.pycapsule(getattr(library, symbol))
+                jax.ffi.register_ffi_target(target, handler, platform="CUDA")
+            _library = library
+        return _library
+
+
+def _groups(mesh: jax.sharding.Mesh, axis_name) -> list[list[jax.Device]]:
+    """The device groups along ``axis_name`` (one per index of the other axes), in rank order
+    (``lax.axis_index``: row-major over the named axes)."""
+    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    missing = [name for name in names if name not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"axis_name {missing} not in the mesh's axes {mesh.axis_names}")
+    order = [mesh.axis_names.index(n) for n in mesh.axis_names if n not in names]
+    order += [mesh.axis_names.index(n) for n in names]
+    devices = np.transpose(mesh.devices, order)
+    size = int(np.prod([mesh.shape[n] for n in names]))
+    return [list(group) for group in devices.reshape(-1, size)]
+
+
+def dcp_setup(
+    mesh: jax.sharding.Mesh,
+    axis_name: Hashable | Sequence[Hashable],
+    *,
+    capacity_bytes: int = DEFAULT_CAPACITY_BYTES,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+) -> bool:
+    """Prepares ``dcp_decode(exchange="push")`` on the CUDA devices of ``mesh``; call it once,
+    eagerly (outside jit), before the first call.
+
+    For each group of devices along ``axis_name`` it allocates one mailbox of
+    ``capacity_bytes`` per device, zeroes it, enables peer access within the group and loads
+    the exchange kernels. Calling it again resets the exchange (new, zeroed mailboxes and
+    cleared error records); do so only while no exchange is running.
+
+    Returns True when mailboxes were set up, False when the mesh is not on CUDA GPUs (there
+    ``exchange="push"`` runs as collectives and needs no setup). Raises ValueError for an
+    axis not in the mesh or bad sizes, NotImplementedError for devices of other processes
+    (multi-process needs CUDA IPC handles; not built), RuntimeError when the driver refuses
+    (e.g. no peer access between two devices).
+    """
+    groups = _groups(mesh, axis_name)
+    if any(d.platform != "gpu" for group in groups for d in group):
+        log.info("jax_sparse_mla.dcp_setup: not a CUDA mesh; exchange='push' uses collectives")
+        return False
+    if not isinstance(capacity_bytes, int) or capacity_bytes < 4096:
+        raise ValueError(f"capacity_bytes must be an int >= 4096, got {capacity_bytes!r}")
+    if not timeout_s > 0:
+        raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if len(groups[0]) < 2:
+        return False  # D = 1: dcp_decode is a plain decode, nothing is exchanged
+    if any(d.process_index != jax.process_index() for group in groups for d in group):
+        raise NotImplementedError(
+            "dcp_setup: the push exchange drives the GPUs of one process; this mesh spans "
+            "several processes (use exchange='collectives')"
+        )
+    library = _load_library()
+    for group in groups:
+        ordinals = [d.local_hardware_id for d in group]
+        array = (ctypes.c_int32 * len(ordinals))(*ordinals)
+        message = ctypes.create_string_buffer(1024)
+        status = library.JaxSparseMlaDcpSetup(
+            array, len(ordinals), capacity_bytes, int(timeout_s * 1e9), message, len(message)
+        )
+        if status != 0:
+            raise RuntimeError(
+                f"jax_sparse_mla.dcp_setup on CUDA devices {ordinals}: {message.value.decode()}"
+            )
+        _ready_ordinals.update(ordinals)
+    return True
+
+
+def dcp_check() -> None:
+    """Raises RuntimeError if a push exchange on any set-up device has failed (timeout,
+    repeated step parity, rank mismatch): those rows came back NaN. Call it after the results
+    are ready (``block_until_ready``); ``dcp_setup`` resets the error records."""
+    if not _ready_ordinals:
+        return
+    library = _load_library()
+    failures = []
+    for ordinal in sorted(_ready_ordinals):
+        record = (ctypes.c_uint32 * 4)()
+        if library.JaxSparseMlaDcpStatus(ordinal, record) != 0 or record[0] == 0:
+            continue
+        code, step, row, source = record
+        what = _ERRORS.get(code, f"failed with code {code}")
+        step = int(np.uint32(step).view(np.int32))
+        failures.append(f"CUDA device {ordinal} {what} (step {step}, row {row}, source {source})")
+    if failures:
+        raise RuntimeError(
+            "jax_sparse_mla push exchange failed; the affected rows are NaN: "
+            + "; ".join(failures)
+            + ". Call jax_sparse_mla.dcp_setup again to reset it."
+        )
+
+
+# ---- primitives ---------------------------------------------------------------------------
+
+dcp_push_p = core.Primitive("sparse_mla_dcp_push")
+dcp_push_p.def_impl(functools.partial(dispatch.apply_primitive, dcp_push_p))
+dcp_merge_p = core.Primitive("sparse_mla_dcp_merge")
+dcp_merge_p.multiple_results = True
+dcp_merge_p.def_impl(functools.partial(dispatch.apply_primitive, dcp_merge_p))
+
+
+def _push_abstract_eval(latent, lse, rank, step, *, dcp_size):
+    del latent, lse, rank, step, dcp_size
+    return ShapedArray((1,), jnp.int32)
+
+
+def _merge_abstract_eval(token, step, *, dcp_size, batch, heads_own):
+    del token, step, dcp_size
+    return (
+        ShapedArray((batch, heads_own, LATENT), jnp.bfloat16),
+        ShapedArray((batch, heads_own), jnp.float32),
+    )
+
+
+dcp_push_p.def_abstract_eval(_push_abstract_eval)
+dcp_merge_p.def_abstract_eval(_merge_abstract_eval)
+
+
+def _require_setup() -> None:
+    _load_library()
+    if not _ready_ordinals:
+        raise RuntimeError(
+            "dcp_decode(exchange='push') on CUDA needs jax_sparse_mla.dcp_setup(mesh, "
+            "axis_name) once, eagerly, before the first call"
+        )
+
+
+def _push_lowering(ctx, latent, lse, rank, step, *, dcp_size):
+    _require_setup()
+    rule = jax.ffi.ffi_lowering(PUSH_TARGET, has_side_effect=True)
+    return rule(ctx, latent, lse, rank, step, dcp_size=np.int64(dcp_size))
+
+
+def _merge_lowering(ctx, token, step, *, dcp_size, batch, heads_own):
+    del batch, heads_own  # the result shapes carry them
+    _require_setup()
+    rule = jax.ffi.ffi_lowering(MERGE_TARGET, has_side_effect=True)
+    return rule(ctx, token, step, dcp_size=np.int64(dcp_size))
+
+
+mlir.register_lowering(dcp_push_p, _push_lowering, platform="cuda")
+mlir.register_lowering(dcp_merge_p, _merge_lowering, platform="cuda")
+
+
+def exchange(latent, lse, *, rank, step, dcp_size: int):
+    """Pushes this rank's partials to their owners and merges what it owns.
+
+    latent [B, D * H_own, 512] bf16 and lse [B, D * H_own] f32 are this rank's partials for
+    every rank's heads (owner r holds heads r * H_own ...); rank and step are int32 scalars.
+    Returns the merged latent [B, H_own, 512] bf16 and lse [B, H_own] f32 of this rank's
+    heads. CUDA only (``dcp_decode`` routes other platforms to the collectives).
+    """
+    batch, gathered, _ = latent.shape
+    # The barriers keep XLA:GPU's dynamic-slice fusion from folding a slice of the operands or
+    # an update of the results (e.g. a scan stacking the rows) into a clone of these calls: it
+    # keeps the original too (it has side effects), so the exchange would run twice per step,
+    # and a second merge waits for flags the first one consumed (seen on the H200: a timeout).
+    latent, lse, rank, step = lax.optimization_barrier((latent, lse, rank, step))
+    token = dcp_push_p.bind(latent, lse, rank, step, dcp_size=dcp_size)
+    merged = dcp_merge_p.bind(
+        token, step, dcp_size=dcp_size, batch=batch, heads_own=gathered // dcp_size
+    )
+    latent, lse = lax.optimization_barrier(tuple(merged))
+    return latent, lse

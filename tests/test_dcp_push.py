@@ -1,0 +1,217 @@
+"""dcp_decode(exchange="push") on CPU virtual devices: the API, its errors, and its CUDA lowering.
+
+On CPU the push exchange runs as the collectives (no setup), so its results must equal the
+collectives' bit for bit. The CUDA lowering (lowered here without a GPU) must hold the push
+and merge custom calls, side-effecting and ordered by a token, and no all-to-all.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from test_dcp import (
+    AXIS,
+    SOFTMAX_SCALE,
+    fp8,
+    make_tokens,
+    mesh_of,
+    run_dcp,
+    shard_flat_cache,
+    shard_paged_cache,
+)
+
+import jax_sparse_mla
+from jax_sparse_mla import push_exchange
+from jax_sparse_mla.dcp import dcp_decode, local_rows
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize(("dcp", "heads_own"), [(2, 16), (8, 5)])
+def test_push_equals_collectives_on_cpu(dcp, heads_own, paged):
+    rng = np.random.default_rng(7 + dcp)
+    batch, width, n_local = 5, 40, 48
+    n_global = dcp * n_local
+    q = fp8(rng, (batch, dcp * heads_own, 576))
+    kv_global = fp8(rng, (n_global, 576))
+    tokens = make_tokens(rng, batch, width, dcp, n_global)
+    if paged:
+        block_size = 16
+        kv, table = shard_paged_cache(rng, fp8(rng, (batch, n_global, 576)), dcp, block_size)
+    else:
+        block_size, kv, table = None, shard_flat_cache(kv_global, dcp), None
+    args = (mesh_of(dcp), q, kv, tokens, table)
+    kwargs = dict(block_size=block_size, q_scale=0.5, kv_scale=2.0)
+    expected = run_dcp(*args, **kwargs)
+    for step in (0, 1, 2**31 - 1):
+        got = run_dcp(*args, **kwargs, exchange="push", step=step)
+        for g, e in zip(got, expected, strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
+
+
+def test_push_in_a_scan_with_traced_step():
+    """A decode loop: the scan counter is the step (traced inside the loop)."""
+    dcp, heads_own, batch, width, n_local, steps = 4, 8, 5, 24, 32, 5
+    rng = np.random.default_rng(3)
+    q = fp8(rng, (batch, dcp * heads_own, 576))
+    kv = shard_flat_cache(fp8(rng, (dcp * n_local, 576)), dcp)
+    tokens = jnp.asarray(make_tokens(rng, batch, width, dcp, dcp * n_local))
+
+    def body(q, kv, tokens, exchange):
+        rows, valid = local_rows(tokens, rank=lax.axis_index(AXIS), dcp_size=dcp)
+
+        def one_step(carry, step):
+            q_t = (q.astype(jnp.float32) * (1.0 + step.astype(jnp.float32) / 8)).astype(q.dtype)
+            out = dcp_decode(
+                q_t,
+                kv,
+                rows,
+                valid,
+                axis_name=AXIS,
+                softmax_scale=SOFTMAX_SCALE,
+                exchange=exchange,
+                step=step,
+            )
+            return carry, out
+
+        return lax.scan(one_step, 0, jnp.arange(steps, dtype=jnp.int32))[1]
+
+    def run(exchange):
+        fn = jax.shard_map(
+            lambda q, kv, tokens: body(q, kv, tokens, exchange),
+            mesh=mesh_of(dcp),
+            in_specs=(P(None, AXIS), P(AXIS), P()),
+            out_specs=(P(None, None, AXIS), P(None, None, AXIS)),
+        )
+        return jax.jit(fn)(q, kv, tokens)
+
+    pushed, collected = run("push"), run("collectives")
+    assert pushed[0].shape == (steps, batch, dcp * heads_own, 512)
+    assert not np.array_equal(np.asarray(pushed[1][0]), np.asarray(pushed[1][1]))  # steps differ
+    for g, e in zip(pushed, collected, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(e))
+
+
+def test_exchange_argument_errors():
+    dcp = 2
+    mesh = mesh_of(dcp)
+    rng = np.random.default_rng(0)
+    q = fp8(rng, (2, dcp * 4, 576))
+    kv = fp8(rng, (dcp * 8, 576))
+    rows = jnp.zeros((2, 4), jnp.int32)
+    valid = jnp.full((2,), 4, jnp.int32)
+
+    def call(**options):
+        fn = jax.shard_map(
+            lambda q, kv, rows, valid: dcp_decode(
+                q, kv, rows, valid, axis_name=AXIS, softmax_scale=1.0, **options
+            ),
+            mesh=mesh,
+            in_specs=(P(None, AXIS), P(AXIS), P(), P()),
+            out_specs=(P(None, AXIS), P(None, AXIS)),
+        )
+        return jax.jit(fn)(q, kv, rows, valid)
+
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        call(exchange="nccl")
+    with pytest.raises(ValueError, match="needs step="):
+        call(exchange="push")
+    with pytest.raises(TypeError, match="step must be an integer scalar"):
+        call(exchange="push", step=1.5)
+    with pytest.raises(TypeError, match="step must be an integer scalar"):
+        call(exchange="push", step=jnp.zeros((2,), jnp.int32))
+    call(exchange="collectives", step=3)  # step is accepted and unused
+
+
+def test_setup_on_cpu_is_a_no_op():
+    mesh = mesh_of(2)
+    assert jax_sparse_mla.dcp_setup(mesh, AXIS) is False
+    jax_sparse_mla.dcp_check()  # nothing set up, nothing failed
+    with pytest.raises(ValueError, match="not in the mesh"):
+        jax_sparse_mla.dcp_setup(mesh, "model")
+
+
+def test_groups_follow_axis_index():
+    """dcp_setup's rank order per group is lax.axis_index's, also for a 2-D mesh and for a
+    tuple of axes."""
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices")
+    devices = np.array(jax.devices()[:8]).reshape(2, 4)
+    mesh = Mesh(devices, ("data", "dcp"))
+    for axis_name in ("dcp", "data", ("data", "dcp"), ("dcp", "data")):
+        fn = jax.jit(
+            jax.shard_map(
+                lambda x, axis_name=axis_name: (lax.axis_index(axis_name) + 0 * x).astype(
+                    jnp.int32
+                ),
+                mesh=mesh,
+                in_specs=P(("data", "dcp")),
+                out_specs=P(("data", "dcp")),
+            )
+        )
+        ids = fn(jnp.zeros(8, jnp.int32))
+        rank_of = {shard.device: int(np.asarray(shard.data)[0]) for shard in ids.addressable_shards}
+        groups = push_exchange._groups(mesh, axis_name)
+        size = len(groups[0])
+        assert len(groups) * size == 8
+        for group in groups:
+            assert [rank_of[d] for d in group] == list(range(size)), (axis_name, group)
+
+
+def _lower_push_for_cuda(dcp=2, heads_own=16, batch=5):
+    rng = np.random.default_rng(1)
+    q = fp8(rng, (batch, dcp * heads_own, 576))
+    kv = fp8(rng, (dcp * 64, 576))
+    tokens = jnp.asarray(make_tokens(rng, batch, 32, dcp, dcp * 64))
+
+    def body(q, kv, tokens, step):
+        rows, valid = local_rows(tokens, rank=lax.axis_index(AXIS), dcp_size=dcp)
+        return dcp_decode(
+            q, kv, rows, valid, axis_name=AXIS, softmax_scale=1.0, exchange="push", step=step
+        )
+
+    fn = jax.jit(
+        jax.shard_map(
+            body,
+            mesh=mesh_of(dcp),
+            in_specs=(P(None, AXIS), P(AXIS), P(), P()),
+            out_specs=(P(None, AXIS), P(None, AXIS)),
+        )
+    )
+    traced = fn.trace(q, kv, tokens, jnp.int32(0))
+    return traced.lower(lowering_platforms=("cuda",)).as_text()
+
+
+def test_cuda_lowering_needs_setup(monkeypatch):
+    monkeypatch.setattr(push_exchange, "_ready_ordinals", set())
+    try:
+        push_exchange._load_library()
+    except (FileNotFoundError, OSError) as err:
+        pytest.skip(f"handler library not installed: {err}")
+    with pytest.raises(RuntimeError, match=r"jax_sparse_mla\.dcp_setup\(mesh, axis_name\)"):
+        _lower_push_for_cuda()
+
+
+def test_cuda_lowering_has_push_and_merge_and_no_all_to_all(monkeypatch):
+    monkeypatch.setattr(push_exchange, "_ready_ordinals", {0, 1})  # as after dcp_setup
+    try:
+        push_exchange._load_library()
+    except (FileNotFoundError, OSError) as err:
+        pytest.skip(f"handler library not installed: {err}")
+    text = _lower_push_for_cuda(dcp=2, heads_own=16, batch=5)
+    assert "all_to_all" not in text
+    assert len(re.findall(r"stablehlo\.all_gather", text)) == 1  # q, as bytes
+    push = re.search(r"stablehlo\.custom_call @jax_sparse_mla_dcp_push\((.*)", text)
+    merge = re.search(r"(%\S+):2 = stablehlo\.custom_call @jax_sparse_mla_dcp_merge\((.*)", text)
+    assert push and merge, text
+    for call in (push.group(0), merge.group(0)):
+        assert "has_side_effect = true" in call, call
+        assert "dcp_size = 2" in call, call
+    assert "tensor<5x32x512xbf16>, tensor<5x32xf32>, tensor<i32>, tensor<i32>" in push.group(0)
+    assert "-> (tensor<5x16x512xbf16>, tensor<5x16xf32>)" in merge.group(0)
+    token = re.search(r"(%\S+) = stablehlo\.custom_call @jax_sparse_mla_dcp_push", text).group(1)
+    assert merge.group(2).startswith(token), (token, merge.group(0))
