@@ -2,6 +2,7 @@
 
     python benchmarks/bench_dcp.py                 # 2 GPUs (device kind nvidia-h200-x2)
     python benchmarks/bench_dcp.py --dcp 2 --steps 64 --calls 5 --exchanges push
+    python benchmarks/bench_dcp.py --unroll --steps 32   # no while loop: kernels back to back
 
 Per case (DESIGN.md's shapes per rank: B = 5 rows, the gathered heads H split over the D
 ranks, `keys` local keys per row on every rank, N = 131072 local cache rows), one jitted
@@ -9,7 +10,9 @@ ranks, `keys` local keys per row on every rank, N = 131072 local cache rows), on
 (a new query per step, scaled from one query by a small fusion; the same global top-k
 tokens). Each call of the scan runs under the
 JAX profiler (CUPTI kernel records, host waiting between calls); per device we report the
-span of a call's kernels divided by the steps (loop overhead included), and per kernel the
+span of a call's kernels divided by the steps (loop overhead included; with --unroll the scan
+is unrolled, so no while loop runs between steps: XLA's GPU while loop copies its predicate to
+the host every iteration), and per kernel the
 summed duration per step (NCCL kernels include their wait for the other ranks, the push
 exchange's merge its wait for the peers' flags). The kernel path is implementation="cute": no
 fallback to the reference; the push exchange's custom calls are checked in the lowered program
@@ -49,7 +52,7 @@ CASES = {  # name -> (rows B, gathered heads H, local keys per row)
 }
 
 
-def make_step(mesh: Mesh, dcp: int, exchange: str):
+def make_step(mesh: Mesh, dcp: int, exchange: str, unroll: bool):
     def per_rank(q, kv, tokens, t):
         rows, valid = jax_sparse_mla.local_rows(tokens, rank=lax.axis_index(AXIS), dcp_size=dcp)
         return jax_sparse_mla.dcp_decode(
@@ -80,7 +83,8 @@ def make_step(mesh: Mesh, dcp: int, exchange: str):
             q_t = (q.astype(jnp.float32) * scale).astype(q.dtype)
             return carry, step(q_t, kv, tokens, t)
 
-        outputs = lax.scan(body, 0, first_step + jnp.arange(steps, dtype=jnp.int32))[1]
+        steps_array = first_step + jnp.arange(steps, dtype=jnp.int32)
+        outputs = lax.scan(body, 0, steps_array, unroll=steps if unroll else 1)[1]
         return outputs, first_step + steps
 
     return jax.jit(loop, static_argnums=4)
@@ -153,6 +157,13 @@ def profile(call, calls: int) -> dict[str, list[list[tuple[int, int, str]]]]:
             current.append((start, end, name))
             last_end = end if last_end is None else max(last_end, end)
         groups.append(current)
+        # A stray copy or memset outside the calls (seen: one event before the first call)
+        # forms a group of its own; calls have hundreds of kernels.
+        typical = statistics.median(len(g) for g in groups)
+        strays = [g for g in groups if len(g) < typical / 2]
+        if strays:
+            print(f"  {plane}: ignored {len(strays)} stray event group(s): {strays}")
+            groups = [g for g in groups if len(g) >= typical / 2]
         if len(groups) != calls:
             sizes = [len(g) for g in groups]
             raise RuntimeError(
@@ -163,7 +174,9 @@ def profile(call, calls: int) -> dict[str, list[list[tuple[int, int, str]]]]:
     return per_plane
 
 
-def report(name: str, exchange: str, per_plane: dict, steps: int, top: int) -> list[dict]:
+def report(
+    name: str, exchange: str, unrolled: bool, per_plane: dict, steps: int, top: int
+) -> list[dict]:
     records = []
     for plane, calls in per_plane.items():
         spans = [(max(e for _, e, _ in c) - c[0][0]) / 1e3 / steps for c in calls]
@@ -186,6 +199,7 @@ def report(name: str, exchange: str, per_plane: dict, steps: int, top: int) -> l
             {
                 "case": name,
                 "exchange": exchange,
+                "unrolled": unrolled,
                 "plane": plane,
                 "span_us_per_step": span,
                 "kernels": dict(by_kernel),
@@ -200,6 +214,9 @@ def main() -> None:
     )
     parser.add_argument("--dcp", type=int, default=2, help="GPUs (ranks), default 2")
     parser.add_argument("--steps", type=int, default=64, help="decode steps per call")
+    parser.add_argument(
+        "--unroll", action="store_true", help="unroll the scan (no while loop between steps)"
+    )
     parser.add_argument("--calls", type=int, default=5, help="profiled calls")
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument(
@@ -229,7 +246,7 @@ def main() -> None:
                 f"[{name}, {exchange}] B={batch} H={heads} ({own} per rank), local keys {keys}",
                 flush=True,
             )
-            fn = make_step(mesh, args.dcp, exchange)
+            fn = make_step(mesh, args.dcp, exchange, args.unroll)
             compiled = fn.lower(*data, jnp.int32(0), args.steps).compile()
             if exchange == "push" and "jax_sparse_mla_dcp_push" not in compiled.as_text():
                 raise SystemExit("the push exchange's custom call is not in the program")
@@ -238,7 +255,7 @@ def main() -> None:
                     f.write(compiled.as_text())
             per_plane = profile(Calls(fn, *data, args.steps), args.calls)
             jax_sparse_mla.dcp_check()
-            results += report(name, exchange, per_plane, args.steps, args.top)
+            results += report(name, exchange, args.unroll, per_plane, args.steps, args.top)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "dcp_results.json"), "w") as f:

@@ -69,7 +69,6 @@ LoadedDriver LoadDriver() {
       {"cuMemsetD8", reinterpret_cast<void**>(&d.MemsetD8)},
       {"cuMemcpyHtoD", reinterpret_cast<void**>(&d.MemcpyHtoD)},
       {"cuMemHostAlloc", reinterpret_cast<void**>(&d.MemHostAlloc)},
-      {"cuMemFreeHost", reinterpret_cast<void**>(&d.MemFreeHost)},
       {"cuMemHostGetDevicePointer", reinterpret_cast<void**>(&d.MemHostGetDevicePointer)},
       {"cuModuleLoadData", reinterpret_cast<void**>(&d.ModuleLoadData)},
       {"cuModuleUnload", reinterpret_cast<void**>(&d.ModuleUnload)},

@@ -39,7 +39,6 @@ struct Driver {
   PFN_cuMemsetD8_v3020 MemsetD8;
   PFN_cuMemcpyHtoD_v3020 MemcpyHtoD;
   PFN_cuMemHostAlloc_v2020 MemHostAlloc;
-  PFN_cuMemFreeHost_v2000 MemFreeHost;
   PFN_cuMemHostGetDevicePointer_v3020 MemHostGetDevicePointer;
   PFN_cuModuleLoadData_v2000 ModuleLoadData;
   PFN_cuModuleUnload_v2000 ModuleUnload;

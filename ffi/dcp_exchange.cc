@@ -1,20 +1,21 @@
 // One-sided DCP exchange (dcp_decode(exchange="push")): mailboxes, setup and two FFI handlers.
 //
 // Setup (JaxSparseMlaDcpSetup, called eagerly from Python by jax_sparse_mla.dcp_setup, once per
-// group of D devices along the mesh axis): on each device's primary context it allocates one
-// mailbox (device memory, zeroed), a host-mapped error record, loads the exchange kernels
-// (dcp_exchange.ptx, embedded; the driver compiles it) and enables peer access between all the
-// group's devices. The mailbox header holds the group's mailbox pointers and the device's rank,
-// so the kernels take no per-call pointers beyond XLA's buffers. Nothing is allocated in execute.
+// group of D devices along the mesh axis): on each device's primary context it allocates a data
+// region (the mailbox proper, zeroed), enables peer access between all the group's devices and
+// writes the device's header: every rank's data region, this rank, the timeout. The header, the
+// host-mapped error record and the loaded exchange kernels (dcp_exchange.ptx, embedded; the
+// driver compiles it) are made once per device and kept for the process: a later dcp_setup
+// rewrites them in place, so kernel parameters captured into a CUDA graph stay valid and the
+// handlers can be command-buffer compatible. Nothing is allocated in execute.
 //
-// Execute (targets "jax_sparse_mla_dcp_push" and "jax_sparse_mla_dcp_merge"): finds the mailbox
-// of the stream's context, checks shapes and capacity, and launches dcp_push (grid (D, B)) or
-// dcp_merge (grid (B)). The push returns a token the merge consumes, so XLA keeps them in order.
-// A failure the kernels detect (timeout, repeated step parity, rank mismatch) is written to the
-// error record; the next execute on that device returns it as an error, and
-// JaxSparseMlaDcpStatus reads it for jax_sparse_mla.dcp_check(). The handlers are not
-// command-buffer compatible on purpose: every execute looks the mailbox up again, so a graph
-// can never replay a mailbox that dcp_setup has since replaced, and the error check always runs.
+// Execute (targets "jax_sparse_mla_dcp_push" and "jax_sparse_mla_dcp_merge"): finds the device
+// of the stream's context, checks shapes and capacity, and launches dcp_push (grid (D, B, S)) or
+// dcp_merge (grid (S, B)), S = ceil(H / kChunkHeads). The push returns a token the merge
+// consumes, so XLA keeps them in order. A failure the kernels detect (timeout, repeated step
+// parity, rank mismatch) is written to the error record; an execute that sees it returns it as
+// an error (a graph replay does not run execute: the rows are NaN either way), and
+// JaxSparseMlaDcpStatus reads it for jax_sparse_mla.dcp_check().
 
 #include <cstdint>
 #include <cstring>
@@ -33,10 +34,12 @@ using cudaStream_t = CUstream;
 namespace {
 
 // Header layout (bytes), shared with dcp_exchange.ptx.
-constexpr int kMaxRanks = 16;       // u64 peers[kMaxRanks] at 0
-constexpr size_t kRankOffset = 128;  // u32 rank, has_last, last_step, error_claimed
-constexpr size_t kFlagsOffset = 256;
+constexpr int kMaxRanks = 16;          // u64 data[kMaxRanks] at 0: every rank's data region
+constexpr size_t kRankOffset = 128;    // u32 rank, has_last, last_step, error claimed
+constexpr size_t kTimeoutOffset = 144;  // u64 timeout_ns
+constexpr size_t kHeaderBytes = 256;
 constexpr size_t kRegionAlign = 256;
+constexpr unsigned int kChunkHeads = 8;  // heads per push / merge CTA
 constexpr unsigned int kThreads = 256;
 constexpr int64_t kLatent = 512;
 constexpr int64_t kMaxGridY = 65535;
@@ -56,29 +59,34 @@ uint64_t AlignUp(uint64_t value, uint64_t alignment) {
   return (value + alignment - 1) / alignment * alignment;
 }
 
-// flags u32[2][D][B] at kFlagsOffset, latents bf16[2][D][B][H][512], LSEs f32[2][D][B][H].
+uint64_t Chunks(uint64_t heads) { return (heads + kChunkHeads - 1) / kChunkHeads; }
+
+// flags u32[2][D][B][S] at 0, latents bf16[2][D][B][H][512], LSEs f32[2][D][B][H].
 Layout MakeLayout(uint64_t dcp, uint64_t batch, uint64_t heads) {
   Layout layout{};
-  layout.latent_offset = AlignUp(kFlagsOffset + 4 * 2 * dcp * batch, kRegionAlign);
+  layout.latent_offset = AlignUp(4 * 2 * dcp * batch * Chunks(heads), kRegionAlign);
   layout.lse_offset = layout.latent_offset + 2 * dcp * batch * heads * kLatent * 2;
   layout.bytes = layout.lse_offset + 2 * dcp * batch * heads * 4;
   return layout;
 }
 
+// One device's exchange state. Entries are never removed (their header, error record and
+// module must outlive every graph that captured them); dcp_setup rewrites them.
 struct Mailbox {
   int ordinal = -1;
   int rank = -1;
   int dcp_size = 0;
   CUdevice device = 0;
-  CUcontext context = nullptr;  // the device's primary context (retained)
-  CUdeviceptr base = 0;
+  CUcontext context = nullptr;  // the device's primary context (retained for the process)
+  CUdeviceptr header = 0;       // kHeaderBytes, permanent
+  CUdeviceptr data = 0;         // the data region, replaced when the capacity changes
   uint64_t capacity = 0;
-  uint64_t timeout_ns = 0;
-  volatile uint32_t* host_error = nullptr;  // u32[4]: code, step, row, source
+  volatile uint32_t* host_error = nullptr;  // u32[4]: code, step, row, source; permanent
   CUdeviceptr device_error = 0;
   CUmodule module = nullptr;
   CUfunction push = nullptr;
   CUfunction merge = nullptr;
+  bool ready = false;  // the last setup of this device succeeded
 };
 
 std::mutex registry_mutex;
@@ -87,24 +95,19 @@ std::vector<std::unique_ptr<Mailbox>> registry;
 Mailbox* FindByContext(CUcontext context) {
   std::lock_guard<std::mutex> lock(registry_mutex);
   for (const auto& mailbox : registry) {
-    if (mailbox->context == context) return mailbox.get();
+    if (mailbox->context == context && mailbox->ready) return mailbox.get();
   }
   return nullptr;
 }
 
-// Frees what Create made (errors ignored: best effort on a device that may be failing).
-void Destroy(const cu::Driver& d, Mailbox& mailbox) {
-  if (mailbox.context == nullptr) return;
-  if (d.CtxPushCurrent(mailbox.context) == CUDA_SUCCESS) {
-    d.CtxSynchronize();
-    if (mailbox.module != nullptr) d.ModuleUnload(mailbox.module);
-    if (mailbox.base != 0) d.MemFree(mailbox.base);
-    if (mailbox.host_error != nullptr) d.MemFreeHost(const_cast<uint32_t*>(mailbox.host_error));
-    CUcontext popped = nullptr;
-    d.CtxPopCurrent(&popped);
+// The device's entry, created on first use.
+Mailbox& EntryFor(int ordinal) {
+  for (const auto& mailbox : registry) {
+    if (mailbox->ordinal == ordinal) return *mailbox;
   }
-  d.DevicePrimaryCtxRelease(mailbox.device);
-  mailbox = Mailbox{};
+  registry.push_back(std::make_unique<Mailbox>());
+  registry.back()->ordinal = ordinal;
+  return *registry.back();
 }
 
 // Runs `body` with `context` current.
@@ -124,39 +127,54 @@ std::string WithContext(const cu::Driver& d, CUcontext context, Body body) {
     return cu::Describe(d, call, result_);                                  \
   }
 
-std::string Create(const cu::Driver& d, Mailbox& mailbox) {
-  RETURN_IF_FAILED("cuDeviceGet", d.DeviceGet(&mailbox.device, mailbox.ordinal));
-  RETURN_IF_FAILED("cuDevicePrimaryCtxRetain",
-                   d.DevicePrimaryCtxRetain(&mailbox.context, mailbox.device));
+// Makes the device's permanent parts once; (re)allocates and zeroes the data region. Waits for
+// the device to be idle first: an exchange must not be running while dcp_setup does.
+std::string Prepare(const cu::Driver& d, Mailbox& mailbox, uint64_t capacity) {
+  if (mailbox.context == nullptr) {
+    RETURN_IF_FAILED("cuDeviceGet", d.DeviceGet(&mailbox.device, mailbox.ordinal));
+    RETURN_IF_FAILED("cuDevicePrimaryCtxRetain",
+                     d.DevicePrimaryCtxRetain(&mailbox.context, mailbox.device));
+  }
   return WithContext(d, mailbox.context, [&]() -> std::string {
-    RETURN_IF_FAILED("cuMemAlloc (mailbox)", d.MemAlloc(&mailbox.base, mailbox.capacity));
-    RETURN_IF_FAILED("cuMemsetD8", d.MemsetD8(mailbox.base, 0, mailbox.capacity));
-    void* host = nullptr;
-    RETURN_IF_FAILED("cuMemHostAlloc (error record)",
-                     d.MemHostAlloc(&host, 16,
-                                    CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE));
-    std::memset(host, 0, 16);
-    mailbox.host_error = static_cast<volatile uint32_t*>(host);
-    RETURN_IF_FAILED("cuMemHostGetDevicePointer",
-                     d.MemHostGetDevicePointer(&mailbox.device_error, host, 0));
-    RETURN_IF_FAILED("cuModuleLoadData (dcp_exchange.ptx)",
-                     d.ModuleLoadData(&mailbox.module, kDcpExchangePtx));
-    RETURN_IF_FAILED("cuModuleGetFunction(dcp_push)",
-                     d.ModuleGetFunction(&mailbox.push, mailbox.module, "dcp_push"));
-    RETURN_IF_FAILED("cuModuleGetFunction(dcp_merge)",
-                     d.ModuleGetFunction(&mailbox.merge, mailbox.module, "dcp_merge"));
+    RETURN_IF_FAILED("cuCtxSynchronize", d.CtxSynchronize());
+    if (mailbox.header == 0) {
+      RETURN_IF_FAILED("cuMemAlloc (header)", d.MemAlloc(&mailbox.header, kHeaderBytes));
+      void* host = nullptr;
+      RETURN_IF_FAILED("cuMemHostAlloc (error record)",
+                       d.MemHostAlloc(&host, 16,
+                                      CU_MEMHOSTALLOC_DEVICEMAP | CU_MEMHOSTALLOC_PORTABLE));
+      mailbox.host_error = static_cast<volatile uint32_t*>(host);
+      RETURN_IF_FAILED("cuMemHostGetDevicePointer",
+                       d.MemHostGetDevicePointer(&mailbox.device_error, host, 0));
+      RETURN_IF_FAILED("cuModuleLoadData (dcp_exchange.ptx)",
+                       d.ModuleLoadData(&mailbox.module, kDcpExchangePtx));
+      RETURN_IF_FAILED("cuModuleGetFunction(dcp_push)",
+                       d.ModuleGetFunction(&mailbox.push, mailbox.module, "dcp_push"));
+      RETURN_IF_FAILED("cuModuleGetFunction(dcp_merge)",
+                       d.ModuleGetFunction(&mailbox.merge, mailbox.module, "dcp_merge"));
+    }
+    for (int i = 0; i < 4; ++i) mailbox.host_error[i] = 0;
+    if (mailbox.data != 0 && mailbox.capacity != capacity) {
+      RETURN_IF_FAILED("cuMemFree (data region)", d.MemFree(mailbox.data));
+      mailbox.data = 0;
+    }
+    if (mailbox.data == 0) {
+      RETURN_IF_FAILED("cuMemAlloc (data region)", d.MemAlloc(&mailbox.data, capacity));
+      mailbox.capacity = capacity;
+    }
+    RETURN_IF_FAILED("cuMemsetD8 (data region)", d.MemsetD8(mailbox.data, 0, capacity));
     return "";
   });
 }
 
-// Peer access to every other mailbox of the group, then the header: peers, rank.
-std::string Connect(const cu::Driver& d, Mailbox& mailbox,
-                    const std::vector<std::unique_ptr<Mailbox>>& group) {
+// Peer access to every other device of the group, then the header.
+std::string Connect(const cu::Driver& d, Mailbox& mailbox, const std::vector<Mailbox*>& group,
+                    uint64_t timeout_ns) {
   return WithContext(d, mailbox.context, [&]() -> std::string {
-    uint64_t header[kRankOffset / 8 + 1] = {};
-    for (const auto& peer : group) {
-      header[peer->rank] = peer->base;
-      if (peer.get() == &mailbox) continue;
+    uint64_t header[kHeaderBytes / 8] = {};
+    for (const Mailbox* peer : group) {
+      header[peer->rank] = peer->data;
+      if (peer == &mailbox) continue;
       int possible = 0;
       RETURN_IF_FAILED("cuDeviceCanAccessPeer",
                        d.DeviceCanAccessPeer(&possible, mailbox.device, peer->device));
@@ -170,8 +188,8 @@ std::string Connect(const cu::Driver& d, Mailbox& mailbox,
       }
     }
     header[kRankOffset / 8] = static_cast<uint32_t>(mailbox.rank);  // has_last = 0
-    RETURN_IF_FAILED("cuMemcpyHtoD (mailbox header)",
-                     d.MemcpyHtoD(mailbox.base, header, sizeof(header)));
+    header[kTimeoutOffset / 8] = timeout_ns;
+    RETURN_IF_FAILED("cuMemcpyHtoD (header)", d.MemcpyHtoD(mailbox.header, header, sizeof(header)));
     RETURN_IF_FAILED("cuCtxSynchronize", d.CtxSynchronize());
     return "";
   });
@@ -188,40 +206,32 @@ std::string Setup(const int32_t* ordinals, int32_t dcp_size, int64_t capacity,
     return "the group must have 2 to " + std::to_string(kMaxRanks) + " devices, got " +
            std::to_string(dcp_size);
   }
-  if (capacity < static_cast<int64_t>(kFlagsOffset) || timeout_ns < 1) {
+  if (capacity < static_cast<int64_t>(kRegionAlign) || timeout_ns < 1) {
     return "capacity_bytes and timeout must be positive";
   }
   std::lock_guard<std::mutex> lock(registry_mutex);
-  // A device set up again gets a fresh mailbox (this is also how an exchange that failed is
-  // reset): the old one is synchronized and freed first.
-  for (auto it = registry.begin(); it != registry.end();) {
-    bool replaced = false;
-    for (int r = 0; r < dcp_size; ++r) replaced |= (*it)->ordinal == ordinals[r];
-    if (replaced) {
-      Destroy(d, **it);
-      it = registry.erase(it);
-    } else {
-      ++it;
+  // Setting a device up again resets its exchange (zeroed data region and error record); this
+  // is also how an exchange that failed is recovered.
+  std::vector<Mailbox*> group;
+  for (int r = 0; r < dcp_size; ++r) {
+    for (int s = 0; s < r; ++s) {
+      if (ordinals[s] == ordinals[r]) return "device " + std::to_string(ordinals[r]) + " twice";
     }
+    Mailbox& mailbox = EntryFor(ordinals[r]);
+    mailbox.ready = false;
+    mailbox.rank = r;
+    mailbox.dcp_size = dcp_size;
+    group.push_back(&mailbox);
   }
-  std::vector<std::unique_ptr<Mailbox>> group;
   std::string error;
-  for (int r = 0; r < dcp_size && error.empty(); ++r) {
-    auto mailbox = std::make_unique<Mailbox>();
-    mailbox->ordinal = ordinals[r];
-    mailbox->rank = r;
-    mailbox->dcp_size = dcp_size;
-    mailbox->capacity = static_cast<uint64_t>(capacity);
-    mailbox->timeout_ns = static_cast<uint64_t>(timeout_ns);
-    error = Create(d, *mailbox);
-    group.push_back(std::move(mailbox));
+  for (Mailbox* mailbox : group) {
+    if (error.empty()) error = Prepare(d, *mailbox, static_cast<uint64_t>(capacity));
   }
-  for (size_t r = 0; r < group.size() && error.empty(); ++r) error = Connect(d, *group[r], group);
-  if (!error.empty()) {
-    for (auto& mailbox : group) Destroy(d, *mailbox);
-    return error;
+  for (Mailbox* mailbox : group) {
+    if (error.empty()) error = Connect(d, *mailbox, group, static_cast<uint64_t>(timeout_ns));
   }
-  for (auto& mailbox : group) registry.push_back(std::move(mailbox));
+  if (!error.empty()) return error;
+  for (Mailbox* mailbox : group) mailbox->ready = true;
   return "";
 }
 
@@ -283,13 +293,16 @@ ffi::ErrorOr<Layout> CheckedLayout(const Mailbox& mailbox, int64_t batch, int64_
   return layout;
 }
 
-ffi::Error Launch(CUfunction function, cudaStream_t stream, unsigned int grid_x,
-                  unsigned int grid_y, void** params) {
+struct Grid {
+  unsigned int x, y, z;
+};
+
+ffi::Error Launch(CUfunction function, cudaStream_t stream, Grid grid, void** params) {
   const cu::Driver& d = cu::GetDriver().driver;
   CUlaunchConfig config{};
-  config.gridDimX = grid_x;
-  config.gridDimY = grid_y;
-  config.gridDimZ = 1;
+  config.gridDimX = grid.x;
+  config.gridDimY = grid.y;
+  config.gridDimZ = grid.z;
   config.blockDimX = kThreads;
   config.blockDimY = 1;
   config.blockDimZ = 1;
@@ -322,18 +335,21 @@ ffi::Error Push(cudaStream_t stream, LatentBuffer latent, LseBuffer lse, ScalarB
   void* lse_ptr = lse.untyped_data();
   void* rank_ptr = rank.untyped_data();
   void* step_ptr = step.untyped_data();
-  CUdeviceptr header = mailbox.base;
+  CUdeviceptr header = mailbox.header;
   CUdeviceptr error = mailbox.device_error;
   uint64_t latent_offset = layout.value().latent_offset;
   uint64_t lse_offset = layout.value().lse_offset;
   uint32_t batch_param = static_cast<uint32_t>(batch);
   uint32_t heads_param = static_cast<uint32_t>(heads);
   uint32_t dcp_param = static_cast<uint32_t>(dcp_size);
-  void* params[] = {&latent_ptr,    &lse_ptr,    &rank_ptr,    &step_ptr,
-                    &header,        &error,      &latent_offset, &lse_offset,
-                    &batch_param,   &heads_param, &dcp_param};
-  return Launch(mailbox.push, stream, static_cast<unsigned int>(dcp_size),
-                static_cast<unsigned int>(batch), params);
+  uint32_t chunk_param = kChunkHeads;
+  void* params[] = {&latent_ptr,  &lse_ptr,     &rank_ptr,      &step_ptr,
+                    &header,      &error,       &latent_offset, &lse_offset,
+                    &batch_param, &heads_param, &dcp_param,     &chunk_param};
+  return Launch(mailbox.push, stream,
+                {static_cast<unsigned int>(dcp_size), static_cast<unsigned int>(batch),
+                 static_cast<unsigned int>(Chunks(heads))},
+                params);
 }
 
 ffi::Error Merge(cudaStream_t stream, TokenBuffer /*token*/, ScalarBuffer step,
@@ -354,18 +370,20 @@ ffi::Error Merge(cudaStream_t stream, TokenBuffer /*token*/, ScalarBuffer step,
   void* latent_ptr = latent->untyped_data();
   void* lse_ptr = lse->untyped_data();
   void* step_ptr = step.untyped_data();
-  CUdeviceptr header = mailbox.base;
+  CUdeviceptr header = mailbox.header;
   CUdeviceptr error = mailbox.device_error;
   uint64_t latent_offset = layout.value().latent_offset;
   uint64_t lse_offset = layout.value().lse_offset;
-  uint64_t timeout_ns = mailbox.timeout_ns;
   uint32_t batch_param = static_cast<uint32_t>(batch);
   uint32_t heads_param = static_cast<uint32_t>(heads);
   uint32_t dcp_param = static_cast<uint32_t>(dcp_size);
+  uint32_t chunk_param = kChunkHeads;
   void* params[] = {&latent_ptr,    &lse_ptr,    &step_ptr,    &header,
-                    &error,         &latent_offset, &lse_offset, &timeout_ns,
-                    &batch_param,   &heads_param, &dcp_param};
-  return Launch(mailbox.merge, stream, static_cast<unsigned int>(batch), 1, params);
+                    &error,         &latent_offset, &lse_offset, &batch_param,
+                    &heads_param,   &dcp_param,  &chunk_param};
+  return Launch(mailbox.merge, stream,
+                {static_cast<unsigned int>(Chunks(heads)), static_cast<unsigned int>(batch), 1},
+                params);
 }
 
 }  // namespace
@@ -389,7 +407,7 @@ JAX_SPARSE_MLA_EXPORT int JaxSparseMlaDcpSetup(const int32_t* ordinals, int32_t 
 JAX_SPARSE_MLA_EXPORT int JaxSparseMlaDcpStatus(int32_t ordinal, uint32_t* record) {
   std::lock_guard<std::mutex> lock(registry_mutex);
   for (const auto& mailbox : registry) {
-    if (mailbox->ordinal != ordinal) continue;
+    if (mailbox->ordinal != ordinal || mailbox->host_error == nullptr) continue;
     for (int i = 0; i < 4; ++i) record[i] = mailbox->host_error[i];
     return 0;
   }
@@ -407,7 +425,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaDcpPush, Push,
                                   .Arg<ScalarBuffer>()   // rank (lax.axis_index)
                                   .Arg<ScalarBuffer>()   // step
                                   .Ret<TokenBuffer>()    // orders the merge after the push
-                                  .Attr<int64_t>("dcp_size"));
+                                  .Attr<int64_t>("dcp_size"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaDcpMerge, Merge,
                               ffi::Ffi::Bind()
@@ -416,4 +435,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaDcpMerge, Merge,
                                   .Arg<ScalarBuffer>()  // step
                                   .Ret<LatentBuffer>()  // merged rows of this rank's heads
                                   .Ret<LseBuffer>()
-                                  .Attr<int64_t>("dcp_size"));
+                                  .Attr<int64_t>("dcp_size"),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -113,8 +113,10 @@ def dcp_setup(
 
     For each group of devices along ``axis_name`` it allocates one mailbox of
     ``capacity_bytes`` per device, zeroes it, enables peer access within the group and loads
-    the exchange kernels. Calling it again resets the exchange (new, zeroed mailboxes and
-    cleared error records); do so only while no exchange is running.
+    the exchange kernels. Calling it again resets the exchange (zeroed mailboxes, cleared
+    error records, the new capacity and timeout); do so only while no exchange is running.
+    Programs compiled before stay valid (their kernels find the mailboxes through a per-device
+    header that lives as long as the process).
 
     Returns True when mailboxes were set up, False when the mesh is not on CUDA GPUs (there
     ``exchange="push"`` runs as collectives and needs no setup). Raises ValueError for an
