@@ -19,6 +19,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -297,7 +298,20 @@ struct Grid {
   unsigned int x, y, z;
 };
 
-ffi::Error Launch(CUfunction function, cudaStream_t stream, Grid grid, void** params) {
+// Launches an exchange kernel: its own leading pointer parameters (addresses of the values),
+// then the tail both kernels share: header, error record, layout offsets, B, H, D, chunk.
+ffi::Error LaunchExchange(CUfunction function, cudaStream_t stream, Grid grid,
+                          std::initializer_list<void*> leading, const Mailbox& mailbox,
+                          const Layout& layout, int64_t batch, int64_t heads, int64_t dcp) {
+  CUdeviceptr header = mailbox.header;
+  CUdeviceptr error = mailbox.device_error;
+  uint64_t latent_offset = layout.latent_offset;
+  uint64_t lse_offset = layout.lse_offset;
+  uint32_t sizes[4] = {static_cast<uint32_t>(batch), static_cast<uint32_t>(heads),
+                       static_cast<uint32_t>(dcp), kChunkHeads};
+  std::vector<void*> params(leading);
+  params.insert(params.end(), {&header, &error, &latent_offset, &lse_offset, &sizes[0],
+                               &sizes[1], &sizes[2], &sizes[3]});
   const cu::Driver& d = cu::GetDriver().driver;
   CUlaunchConfig config{};
   config.gridDimX = grid.x;
@@ -307,7 +321,8 @@ ffi::Error Launch(CUfunction function, cudaStream_t stream, Grid grid, void** pa
   config.blockDimY = 1;
   config.blockDimZ = 1;
   config.hStream = stream;
-  return cu::Check(d, "cuLaunchKernelEx", d.LaunchKernelEx(&config, function, params, nullptr));
+  return cu::Check(d, "cuLaunchKernelEx",
+                   d.LaunchKernelEx(&config, function, params.data(), nullptr));
 }
 
 using LatentBuffer = ffi::Buffer<ffi::BF16, 3>;
@@ -335,21 +350,10 @@ ffi::Error Push(cudaStream_t stream, LatentBuffer latent, LseBuffer lse, ScalarB
   void* lse_ptr = lse.untyped_data();
   void* rank_ptr = rank.untyped_data();
   void* step_ptr = step.untyped_data();
-  CUdeviceptr header = mailbox.header;
-  CUdeviceptr error = mailbox.device_error;
-  uint64_t latent_offset = layout.value().latent_offset;
-  uint64_t lse_offset = layout.value().lse_offset;
-  uint32_t batch_param = static_cast<uint32_t>(batch);
-  uint32_t heads_param = static_cast<uint32_t>(heads);
-  uint32_t dcp_param = static_cast<uint32_t>(dcp_size);
-  uint32_t chunk_param = kChunkHeads;
-  void* params[] = {&latent_ptr,  &lse_ptr,     &rank_ptr,      &step_ptr,
-                    &header,      &error,       &latent_offset, &lse_offset,
-                    &batch_param, &heads_param, &dcp_param,     &chunk_param};
-  return Launch(mailbox.push, stream,
-                {static_cast<unsigned int>(dcp_size), static_cast<unsigned int>(batch),
-                 static_cast<unsigned int>(Chunks(heads))},
-                params);
+  const Grid grid = {static_cast<unsigned int>(dcp_size), static_cast<unsigned int>(batch),
+                     static_cast<unsigned int>(Chunks(heads))};
+  return LaunchExchange(mailbox.push, stream, grid, {&latent_ptr, &lse_ptr, &rank_ptr, &step_ptr},
+                        mailbox, layout.value(), batch, heads, dcp_size);
 }
 
 ffi::Error Merge(cudaStream_t stream, TokenBuffer /*token*/, ScalarBuffer step,
@@ -370,20 +374,10 @@ ffi::Error Merge(cudaStream_t stream, TokenBuffer /*token*/, ScalarBuffer step,
   void* latent_ptr = latent->untyped_data();
   void* lse_ptr = lse->untyped_data();
   void* step_ptr = step.untyped_data();
-  CUdeviceptr header = mailbox.header;
-  CUdeviceptr error = mailbox.device_error;
-  uint64_t latent_offset = layout.value().latent_offset;
-  uint64_t lse_offset = layout.value().lse_offset;
-  uint32_t batch_param = static_cast<uint32_t>(batch);
-  uint32_t heads_param = static_cast<uint32_t>(heads);
-  uint32_t dcp_param = static_cast<uint32_t>(dcp_size);
-  uint32_t chunk_param = kChunkHeads;
-  void* params[] = {&latent_ptr,    &lse_ptr,    &step_ptr,    &header,
-                    &error,         &latent_offset, &lse_offset, &batch_param,
-                    &heads_param,   &dcp_param,  &chunk_param};
-  return Launch(mailbox.merge, stream,
-                {static_cast<unsigned int>(Chunks(heads)), static_cast<unsigned int>(batch), 1},
-                params);
+  const Grid grid = {static_cast<unsigned int>(Chunks(heads)), static_cast<unsigned int>(batch),
+                     1};
+  return LaunchExchange(mailbox.merge, stream, grid, {&latent_ptr, &lse_ptr, &step_ptr}, mailbox,
+                        layout.value(), batch, heads, dcp_size);
 }
 
 }  // namespace

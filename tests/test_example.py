@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import jax
+import numpy as np
 import pytest
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "kimi_decode_step.py"
@@ -91,8 +92,9 @@ def compiled_small_step(example, dcp):
     cache = example.place(cache, mesh, cache_specs)
     x = jax.numpy.ones((5, cfg.hidden), jax.numpy.bfloat16)
     x, pos = example.place((x, jax.numpy.int32(60)), mesh, (example.P(), example.P()))
-    step = example.make_step(cfg, mesh, "reference")
-    return step.lower(weights, cache, x, pos).compile(), (weights, cache, x, pos)
+    step = example.make_step(cfg, mesh, "reference", "collectives")
+    args = (weights, cache, x, pos, np.int32(0))  # the last: dcp_decode's step (unused here)
+    return step.lower(*args).compile(), args
 
 
 @pytest.mark.parametrize("dcp", [1, 2])
@@ -350,12 +352,12 @@ def test_profile_attributes_the_cpu_thunks_of_the_compiled_step(example):
     if jax.devices()[0].platform != "cpu":
         pytest.skip("reads the CPU plane")
     phase_times = example.phase_times
-    compiled, (weights, cache, x, pos) = compiled_small_step(example, dcp=1)
+    compiled, (weights, cache, x, pos, step) = compiled_small_step(example, dcp=1)
     ops = phase_times.instruction_phases(compiled.as_text(), example.PHASES)
     state = {"cache": cache}
 
     def call():
-        out, state["cache"], _ = compiled(weights, state["cache"], x, pos)
+        out, state["cache"], _ = compiled(weights, state["cache"], x, pos, step)
         return out
 
     times = phase_times.profile(

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -41,14 +40,6 @@ from jax_sparse_mla.dcp import dcp_decode, local_rows
 
 pytestmark = pytest.mark.gpu
 DCP = 2
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    if len(gpus) < DCP or any(d.compute_capability != "9.0" for d in gpus[:DCP]):
-        pytest.skip(f"needs {DCP} Hopper GPUs, jax sees {jax.devices()}")
-    return Mesh(np.array(gpus[:DCP]), (AXIS,))
 
 
 def dcp_step(mesh, *, paged: bool, block_size: int | None = None):

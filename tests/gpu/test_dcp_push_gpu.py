@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -49,14 +48,6 @@ DCP = 2
 BF16_STEP = 2.0**-7  # one bf16 ulp is at most this fraction of the value
 APPROX = 2.0**-19  # times max |V|: the exp2 / lg2 approximations' share
 LSE_RTOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    gpus = [d for d in jax.devices() if d.platform == "gpu"]
-    if len(gpus) < DCP or any(d.compute_capability != "9.0" for d in gpus[:DCP]):
-        pytest.skip(f"needs {DCP} Hopper GPUs, jax sees {jax.devices()}")
-    return Mesh(np.array(gpus[:DCP]), (AXIS,))
 
 
 @pytest.fixture(autouse=True)
