@@ -26,6 +26,7 @@ import collections
 import glob
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -134,8 +135,12 @@ def category(name: str) -> str:
     return "XLA fusions and copies"
 
 
-def profile(call, calls: int) -> dict[str, list[list[tuple[int, int, str]]]]:
-    """Per GPU plane, the kernels of each call (split at the host's idle gaps)."""
+Events = list[tuple[int, int, str]]
+
+
+def profile(call, calls: int, keep: str | None = None) -> dict[str, list[Events]]:
+    """Per GPU plane, the kernels of each call (split at the host's idle gaps). ``keep``: copy
+    the trace (xplane.pb, host planes included) to this path."""
     jax.block_until_ready(call())
     with tempfile.TemporaryDirectory() as logdir:
         jax.profiler.start_trace(logdir)
@@ -147,6 +152,8 @@ def profile(call, calls: int) -> dict[str, list[list[tuple[int, int, str]]]]:
             jax.profiler.stop_trace()
         (path,) = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
         planes = device_events_by_plane(path)
+        if keep:
+            shutil.copy(path, keep)
     per_plane = {}
     for plane, events in planes.items():
         groups, current, last_end = [], [], None
@@ -226,7 +233,10 @@ def main() -> None:
         "--timeout-s", type=float, default=1.0, help="the push exchange's bounded wait"
     )
     parser.add_argument("--top", type=int, default=0, help="also list the N largest kernels")
-    parser.add_argument("--out", help="write dcp_results.json into this folder")
+    parser.add_argument("--out", help="write dcp_results.json (and HLO) into this folder")
+    parser.add_argument(
+        "--keep-traces", action="store_true", help="also copy each profile to --out"
+    )
     args = parser.parse_args()
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if len(gpus) < args.dcp:
@@ -253,7 +263,10 @@ def main() -> None:
             if args.out:
                 with open(os.path.join(args.out, f"hlo-{name}-{exchange}.txt"), "w") as f:
                     f.write(compiled.as_text())
-            per_plane = profile(Calls(fn, *data, args.steps), args.calls)
+            keep = None
+            if args.out and args.keep_traces:
+                keep = os.path.join(args.out, f"trace-{name}-{exchange}.xplane.pb")
+            per_plane = profile(Calls(fn, *data, args.steps), args.calls, keep)
             jax_sparse_mla.dcp_check()
             results += report(name, exchange, args.unroll, per_plane, args.steps, args.top)
     if args.out:
