@@ -118,20 +118,21 @@ def dcp_setup(
     Programs compiled before stay valid (their kernels find the mailboxes through a per-device
     header that lives as long as the process).
 
-    Returns True when mailboxes were set up, False when the mesh is not on CUDA GPUs (there
-    ``exchange="push"`` runs as collectives and needs no setup). Raises ValueError for an
-    axis not in the mesh or bad sizes, NotImplementedError for devices of other processes
+    Returns True when mailboxes were set up, False when there is nothing to set up: the mesh
+    is not on CUDA GPUs (there ``exchange="push"`` runs as collectives) or the axis has one
+    device (``dcp_decode`` is then a plain decode). Raises ValueError for an axis not in the
+    mesh or bad sizes, NotImplementedError for devices of other processes
     (multi-process needs CUDA IPC handles; not built), RuntimeError when the driver refuses
     (e.g. no peer access between two devices).
     """
     groups = _groups(mesh, axis_name)
-    if any(d.platform != "gpu" for group in groups for d in group):
-        log.info("jax_sparse_mla.dcp_setup: not a CUDA mesh; exchange='push' uses collectives")
-        return False
     if not isinstance(capacity_bytes, int) or capacity_bytes < 4096:
         raise ValueError(f"capacity_bytes must be an int >= 4096, got {capacity_bytes!r}")
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+    if any(d.platform != "gpu" for group in groups for d in group):
+        log.info("jax_sparse_mla.dcp_setup: not a CUDA mesh; exchange='push' uses collectives")
+        return False
     if len(groups[0]) < 2:
         return False  # D = 1: dcp_decode is a plain decode, nothing is exchanged
     if any(d.process_index != jax.process_index() for group in groups for d in group):

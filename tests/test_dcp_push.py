@@ -133,6 +133,10 @@ def test_setup_on_cpu_is_a_no_op():
     jax_sparse_mla.dcp_check()  # nothing set up, nothing failed
     with pytest.raises(ValueError, match="not in the mesh"):
         jax_sparse_mla.dcp_setup(mesh, "model")
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        jax_sparse_mla.dcp_setup(mesh, AXIS, capacity_bytes=100)
+    with pytest.raises(ValueError, match="timeout_s"):
+        jax_sparse_mla.dcp_setup(mesh, AXIS, timeout_s=0)
 
 
 def test_groups_follow_axis_index():
