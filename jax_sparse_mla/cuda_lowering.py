@@ -109,8 +109,12 @@ def register_ffi_target() -> pathlib.Path:
 
 
 def export_disabled_checks() -> tuple[jax.export.DisabledSafetyCheck, ...]:
-    """The ``disabled_checks`` that let ``jax.export`` serialize the kernel's custom call."""
-    return (jax.export.DisabledSafetyCheck.custom_call(FFI_TARGET),)
+    """The ``disabled_checks`` that let ``jax.export`` serialize the library's custom calls:
+    the decode kernel's and the push exchange's (``dcp_decode(exchange="push")``)."""
+    from jax_sparse_mla import push_exchange  # imported here: it imports this module
+
+    targets = (FFI_TARGET, push_exchange.PUSH_TARGET, push_exchange.MERGE_TARGET)
+    return tuple(jax.export.DisabledSafetyCheck.custom_call(target) for target in targets)
 
 
 def kernel_attributes(kernel: kernel_compile.CompiledKernel) -> dict[str, object]:

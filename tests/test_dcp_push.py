@@ -166,7 +166,8 @@ def test_groups_follow_axis_index():
             assert [rank_of[d] for d in group] == list(range(size)), (axis_name, group)
 
 
-def _lower_push_for_cuda(dcp=2, heads_own=16, batch=5):
+def _push_program(dcp, heads_own, batch):
+    """A jitted shard_map of local_rows + dcp_decode(exchange="push") and its arguments."""
     rng = np.random.default_rng(1)
     q = fp8(rng, (batch, dcp * heads_own, 576))
     kv = fp8(rng, (dcp * 64, 576))
@@ -186,8 +187,12 @@ def _lower_push_for_cuda(dcp=2, heads_own=16, batch=5):
             out_specs=(P(None, AXIS), P(None, AXIS)),
         )
     )
-    traced = fn.trace(q, kv, tokens, jnp.int32(0))
-    return traced.lower(lowering_platforms=("cuda",)).as_text()
+    return fn, (q, kv, tokens, jnp.int32(0))
+
+
+def _lower_push_for_cuda(dcp=2, heads_own=16, batch=5):
+    fn, args = _push_program(dcp, heads_own, batch)
+    return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_cuda_lowering_needs_setup(monkeypatch):
@@ -219,3 +224,20 @@ def test_cuda_lowering_has_push_and_merge_and_no_all_to_all(monkeypatch):
     assert "-> (tensor<5x16x512xbf16>, tensor<5x16xf32>)" in merge.group(0)
     token = re.search(r"(%\S+) = stablehlo\.custom_call @jax_sparse_mla_dcp_push", text).group(1)
     assert merge.group(2).startswith(token), (token, merge.group(0))
+
+
+def test_export_for_cuda_keeps_the_exchange(monkeypatch):
+    """jax.export of a push program for CUDA (on a CPU machine): export_disabled_checks()
+    admits the exchange's custom calls, and they survive serialization."""
+    monkeypatch.setattr(push_exchange, "_ready_ordinals", {0, 1})  # as after dcp_setup
+    try:
+        push_exchange._load_library()
+    except (FileNotFoundError, OSError) as err:
+        pytest.skip(f"handler library not installed: {err}")
+    fn, args = _push_program(2, 16, 5)
+    with pytest.raises(ValueError, match="jax_sparse_mla_dcp_push"):
+        jax.export.export(fn, platforms=("cuda",))(*args)
+    checks = jax_sparse_mla.cuda_lowering.export_disabled_checks()
+    exported = jax.export.export(fn, platforms=("cuda",), disabled_checks=checks)(*args)
+    text = jax.export.deserialize(exported.serialize()).mlir_module()
+    assert "@jax_sparse_mla_dcp_push" in text and "@jax_sparse_mla_dcp_merge" in text
