@@ -23,13 +23,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import json
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import time
 
 import jax
@@ -40,7 +37,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(__file__))
-from gpu_profile import device_events_by_plane
+from gpu_profile import Events, record, split_at_gaps
 
 import jax_sparse_mla
 
@@ -135,35 +132,14 @@ def category(name: str) -> str:
     return "XLA fusions and copies"
 
 
-Events = list[tuple[int, int, str]]
-
-
 def profile(call, calls: int, keep: str | None = None) -> dict[str, list[Events]]:
     """Per GPU plane, the kernels of each call (split at the host's idle gaps). ``keep``: copy
     the trace (xplane.pb, host planes included) to this path."""
     jax.block_until_ready(call())
-    with tempfile.TemporaryDirectory() as logdir:
-        jax.profiler.start_trace(logdir)
-        try:
-            for _ in range(calls):
-                jax.block_until_ready(call())
-                time.sleep(CALL_GAP_NS * 5 / 1e9)
-        finally:
-            jax.profiler.stop_trace()
-        (path,) = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
-        planes = device_events_by_plane(path)
-        if keep:
-            shutil.copy(path, keep)
+    planes = record(call, calls, pause_s=CALL_GAP_NS * 5 / 1e9, keep=keep)
     per_plane = {}
     for plane, events in planes.items():
-        groups, current, last_end = [], [], None
-        for start, end, name in events:
-            if last_end is not None and start - last_end > CALL_GAP_NS:
-                groups.append(current)
-                current = []
-            current.append((start, end, name))
-            last_end = end if last_end is None else max(last_end, end)
-        groups.append(current)
+        groups = split_at_gaps(events, CALL_GAP_NS)
         # A stray copy or memset outside the calls (seen: one event before the first call)
         # forms a group of its own; calls have hundreds of kernels.
         typical = statistics.median(len(g) for g in groups)

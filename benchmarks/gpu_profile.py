@@ -11,15 +11,19 @@ durations ("kernel time") and the span from the first kernel's start to the last
 from __future__ import annotations
 
 import glob
+import shutil
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 from jax.profiler import ProfileData
 
 GAP_NS = 40_000  # the host sleeps 200 us between calls; kernels of one call are closer
+Events = list[tuple[int, int, str]]  # (start ns, end ns, name)
 
 
 @dataclass
@@ -49,34 +53,48 @@ def device_events_by_plane(xspace_path: str) -> dict[str, list[tuple[int, int, s
     return planes
 
 
-def _device_events(xspace_path: str):
-    return sorted(e for events in device_events_by_plane(xspace_path).values() for e in events)
+def record(
+    call: Callable[[], Any], calls: int, pause_s: float, keep: str | None = None
+) -> dict[str, Events]:
+    """Runs call() ``calls`` times under the profiler, the host waiting for each call and
+    pausing ``pause_s`` after it; returns device_events_by_plane of the trace. ``keep``: copy
+    the trace (xplane.pb, host planes included) to this path."""
+    with tempfile.TemporaryDirectory() as logdir:
+        jax.profiler.start_trace(logdir)
+        try:
+            for _ in range(calls):
+                jax.block_until_ready(call())
+                time.sleep(pause_s)
+        finally:
+            jax.profiler.stop_trace()
+        (path,) = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
+        if keep:
+            shutil.copy(path, keep)
+        return device_events_by_plane(path)
+
+
+def split_at_gaps(events: Events, gap_ns: float) -> list[Events]:
+    """Time-sorted events split wherever the device stayed idle longer than gap_ns."""
+    groups, current, last_end = [], [], None
+    for start, end, name in events:
+        if last_end is not None and start - last_end > gap_ns:
+            groups.append(current)
+            current = []
+        current.append((start, end, name))
+        last_end = end if last_end is None else max(last_end, end)
+    groups.append(current)
+    return groups
 
 
 def profile_calls(fn, args, calls: int) -> CallTimes:
     """Run ``fn(*args)`` ``calls`` times under the profiler; return per-call device times."""
     jax.block_until_ready(fn(*args))  # compile and warm up outside the trace
     jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as logdir:
-        jax.profiler.start_trace(logdir)
-        try:
-            for _ in range(calls):
-                jax.block_until_ready(fn(*args))
-                time.sleep(200e-6)
-        finally:
-            jax.profiler.stop_trace()
-        (path,) = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
-        events = _device_events(path)
+    planes = record(lambda: fn(*args), calls, pause_s=200e-6)
+    events = sorted(e for plane_events in planes.values() for e in plane_events)
     if not events:
         raise RuntimeError("the profiler recorded no GPU events (is this a GPU run?)")
-    groups, current, last_end = [], [], None
-    for start, end, name in events:
-        if last_end is not None and start - last_end > GAP_NS:
-            groups.append(current)
-            current = []
-        current.append((start, end, name))
-        last_end = end if last_end is None else max(last_end, end)
-    groups.append(current)
+    groups = split_at_gaps(events, GAP_NS)
     if len(groups) != calls:
         raise RuntimeError(
             f"expected {calls} calls' device events separated by idle gaps, found {len(groups)}"
