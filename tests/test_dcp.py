@@ -266,27 +266,16 @@ def shard_paged_cache(rng, seqs, dcp, block_size, spare_blocks=2):
     return pools, jnp.asarray(np.concatenate(tables).astype(np.int32))
 
 
-def run_dcp(
-    mesh,
-    q,
-    kv,
-    tokens,
-    table,
-    *,
-    block_size,
-    q_scale,
-    kv_scale,
-    implementation=None,
-    exchange="collectives",
-    step=0,
-):
-    """dcp_decode under shard_map; local_rows inside with the traced rank (and step)."""
+def dcp_program(mesh, *, block_size=None, implementation=None, exchange="collectives"):
+    """jit(shard_map(local_rows + dcp_decode)) with the traced rank:
+    fn(q, kv, tokens, table, q_scale, kv_scale, step). A paged cache (block_size given) takes
+    its per-rank block tables; a flat one takes table=None."""
     dcp = mesh.shape[AXIS]
+    paged = block_size is not None
 
     def body(q, kv, tokens, table, q_scale, kv_scale, step):
-        rank = lax.axis_index(AXIS)
-        paged = {} if table is None else dict(block_table=table, block_size=block_size)
-        rows, valid = local_rows(tokens, rank=rank, dcp_size=dcp, **paged)
+        extra = dict(block_table=table, block_size=block_size) if paged else {}
+        rows, valid = local_rows(tokens, rank=lax.axis_index(AXIS), dcp_size=dcp, **extra)
         return dcp_decode(
             q,
             kv,
@@ -301,9 +290,16 @@ def run_dcp(
             step=step,
         )
 
-    in_specs = (P(None, AXIS), P(AXIS), P(), None if table is None else P(AXIS), P(), P(), P())
+    in_specs = (P(None, AXIS), P(AXIS), P(), P(AXIS) if paged else None, P(), P(), P())
     out_specs = (P(None, AXIS), P(None, AXIS))
-    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+
+def run_dcp(
+    mesh, q, kv, tokens, table, *, block_size, q_scale, kv_scale, exchange="collectives", step=0
+):
+    """dcp_program called once (table None for a flat cache)."""
+    fn = dcp_program(mesh, block_size=block_size, exchange=exchange)
     return fn(q, kv, jnp.asarray(tokens), table, q_scale, kv_scale, jnp.int32(step))
 
 

@@ -17,15 +17,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from test_dcp import (
-    AXIS,
     SOFTMAX_SCALE,
     check_against_truth,
     compare_with_single,
+    dcp_program,
     fp8,
     global_rows,
     make_tokens,
@@ -36,34 +35,14 @@ from test_dcp import (
 
 import jax_sparse_mla
 from jax_sparse_mla import cuda_lowering
-from jax_sparse_mla.dcp import dcp_decode, local_rows
 
 pytestmark = pytest.mark.gpu
 DCP = 2
 
 
-def dcp_step(mesh, *, paged: bool, block_size: int | None = None):
-    """jit(shard_map(local_rows + dcp_decode)) on the kernel path (implementation='cute')."""
-
-    def body(q, kv, tokens, table, q_scale, kv_scale):
-        extra = dict(block_table=table, block_size=block_size) if paged else {}
-        rows, valid = local_rows(tokens, rank=lax.axis_index(AXIS), dcp_size=DCP, **extra)
-        return dcp_decode(
-            q,
-            kv,
-            rows,
-            valid,
-            axis_name=AXIS,
-            softmax_scale=SOFTMAX_SCALE,
-            q_scale=q_scale,
-            kv_scale=kv_scale,
-            implementation="cute",
-        )
-
-    table_spec = P(AXIS) if paged else P()
-    in_specs = (P(None, AXIS), P(AXIS), P(), table_spec, P(), P())
-    out_specs = (P(None, AXIS), P(None, AXIS))
-    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+def dcp_step(mesh, *, block_size: int | None = None):
+    """dcp_program on the kernel path: fn(q, kv, tokens, table, q_scale, kv_scale, step)."""
+    return dcp_program(mesh, block_size=block_size, implementation="cute")
 
 
 def test_flat_cache_latency_shape(mesh):
@@ -75,10 +54,10 @@ def test_flat_cache_latency_shape(mesh):
     tokens = make_tokens(rng, batch, width, DCP, n_global)
     scales = (jnp.float32(0.75), jnp.float32(1.5))
     kv = shard_flat_cache(kv_global, DCP)
-    table = jnp.zeros((1, 1), jnp.int32)  # unused on the flat path
-    step = dcp_step(mesh, paged=False)
-    assert cuda_lowering.FFI_TARGET in step.lower(q, kv, tokens, table, *scales).as_text()
-    latent, lse = step(q, kv, tokens, table, *scales)
+    table = None  # a flat cache
+    step = dcp_step(mesh)
+    assert cuda_lowering.FFI_TARGET in step.lower(q, kv, tokens, table, *scales, 0).as_text()
+    latent, lse = step(q, kv, tokens, table, *scales, 0)
 
     keys = np.asarray(kv_global.astype(jnp.float32), np.float64)
     t = truth(q, lambda b: keys[tokens[b][tokens[b] >= 0]], SOFTMAX_SCALE, 0.75, 1.5)
@@ -92,7 +71,7 @@ def test_flat_cache_latency_shape(mesh):
     single_latent, single_lse = single(q, kv_global, rows, valid)
     single_err = check_against_truth(single_latent, single_lse, t)
     compare_with_single(latent, lse, single_latent, single_lse, err, single_err, t, DCP)
-    again = step(q, kv, tokens, table, *scales)
+    again = step(q, kv, tokens, table, *scales, 0)
     for a, b in zip((latent, lse), again, strict=True):  # repeats are bit-identical
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
@@ -106,8 +85,8 @@ def test_paged_cache(mesh, shared_table):
     seqs = fp8(rng, (n_seqs, n_global, 576))
     tokens = make_tokens(rng, batch, width, DCP, n_global)
     pools, tables = shard_paged_cache(rng, seqs, DCP, block_size)
-    step = dcp_step(mesh, paged=True, block_size=block_size)
-    latent, lse = step(q, pools, tokens, tables, jnp.float32(1), jnp.float32(1))
+    step = dcp_step(mesh, block_size=block_size)
+    latent, lse = step(q, pools, tokens, tables, jnp.float32(1), jnp.float32(1), 0)
 
     keys = np.asarray(seqs.astype(jnp.float32), np.float64)
     t = truth(q, lambda b: keys[b % n_seqs][tokens[b][tokens[b] >= 0]], SOFTMAX_SCALE, 1, 1)
@@ -128,17 +107,17 @@ def test_multi_step_loop_matches_single_steps(mesh):
     qs = fp8(rng, (steps, batch, heads, 576))
     kv = shard_flat_cache(fp8(rng, (n_global, 576)), DCP)
     tokens = jnp.asarray(make_tokens(rng, batch, width, DCP, n_global))
-    table = jnp.zeros((1, 1), jnp.int32)
+    table = None  # a flat cache
     one = jnp.float32(1)
-    step = dcp_step(mesh, paged=False)
+    step = dcp_step(mesh)
 
     def loop(qs, kv, tokens, table):
-        return lax.scan(lambda c, q: (c, step(q, kv, tokens, table, one, one)), 0, qs)[1]
+        return lax.scan(lambda c, q: (c, step(q, kv, tokens, table, one, one, 0)), 0, qs)[1]
 
     looped = jax.jit(loop)
     latent, lse = looped(qs, kv, tokens, table)
     for s in range(steps):
-        want_latent, want_lse = step(qs[s], kv, tokens, table, one, one)
+        want_latent, want_lse = step(qs[s], kv, tokens, table, one, one, 0)
         np.testing.assert_array_equal(np.asarray(latent[s]), np.asarray(want_latent))
         np.testing.assert_array_equal(np.asarray(lse[s]), np.asarray(want_lse))
     again = looped(qs, kv, tokens, table)
