@@ -222,6 +222,8 @@ def main() -> None:
         mesh, AXIS, timeout_s=args.timeout_s
     ):
         raise SystemExit("dcp_setup found no CUDA mesh: the push exchange would not run")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
     results = []
     for name in args.cases:
         batch, heads, keys = CASES[name]

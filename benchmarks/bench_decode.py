@@ -1,12 +1,15 @@
 """Sparse decode on the GPU: the kernel next to the jitted pure-jnp reference, in one run.
 
     python benchmarks/bench_decode.py --out benchmarks/results
+    python benchmarks/bench_decode.py --configs s1 s2 s4    # also each kernel config, forced
 
-For each case of DESIGN.md section 4 and a sweep of keys per row and of rows, both paths run
-through jax.jit on the same inputs; kernel times come from JAX's profiler (CUPTI kernel
-durations, split per call; see gpu_profile.py), median and p10/p90 over --calls calls. The
-kernel path is implementation="cute": it fails loudly rather than fall back to the reference.
-Writes results.json, results.csv and latency_vs_keys.png into --out.
+For each case of DESIGN.md section 4 and sweeps of keys per row (B=5, H=96), rows (H=128,
+2048 keys) and heads (B=5, 256 keys), both paths run through jax.jit on the same inputs:
+the kernel as the dispatch rule picks it (and, with --configs, each config forced) and the
+jnp reference. Kernel times come from JAX's profiler (CUPTI kernel durations, split per call;
+see gpu_profile.py), median and p10/p90 over --calls calls. The kernel path is
+implementation="cute": it fails loudly rather than fall back to the reference. Writes
+results.json, results.csv and latency_vs_keys.png into --out.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from gpu_profile import profile_calls
 
 import jax_sparse_mla
+from jax_sparse_mla.kernel import KernelConfig
+from jax_sparse_mla.kernel.config import SPLITS
+from jax_sparse_mla.kernel.dispatch import choose_config
 
 HBM_BYTES_PER_S = 4.8e12  # H200 datasheet
 FP8_DENSE_FLOPS = 1979e12  # H200 dense FP8 tensor-core peak
@@ -38,6 +44,7 @@ CASES = {  # name -> (batch B, query heads H, width K), DESIGN.md section 4
     "rank-full": (5, 128, 2048),
     "throughput": (64, 128, 2048),
 }
+SM_COUNT = 132  # set from the GPU in main()
 CASE_KEYS = {  # valid keys per row of each named case
     "latency-h64": 256,
     "latency-h96": 256,
@@ -58,19 +65,32 @@ def make_inputs(batch, heads, width, keys, seed=0):
     return (q, kv, jnp.asarray(rows, jnp.int32), jnp.asarray(valid)), unique
 
 
-def measure(name, batch, heads, width, keys, calls):
+def _max_diffs(got, want) -> tuple[float, float]:
+    latent = jnp.abs(got[0].astype(jnp.float32) - want[0].astype(jnp.float32))
+    return float(jnp.max(latent)), float(jnp.max(jnp.abs(got[1] - want[1])))
+
+
+def measure(name, batch, heads, width, keys, calls, configs):
     args, unique_rows = make_inputs(batch, heads, width, keys)
     scale = 192**-0.5
-    kernel = jax.jit(partial(jax_sparse_mla.decode, softmax_scale=scale, implementation="cute"))
-    baseline = jax.jit(
-        partial(jax_sparse_mla.decode, softmax_scale=scale, implementation="reference")
-    )
-    got, want = kernel(*args), baseline(*args)
-    err = float(jnp.max(jnp.abs(got[0].astype(jnp.float32) - want[0].astype(jnp.float32))))
-    lse_err = float(jnp.max(jnp.abs(got[1] - want[1])))
+    decode = partial(jax_sparse_mla.decode, softmax_scale=scale)
+    kernel = jax.jit(partial(decode, implementation="cute"))
+    baseline = jax.jit(partial(decode, implementation="reference"))
+    want = baseline(*args)
+    err, lse_err = _max_diffs(kernel(*args), want)
     k_times = profile_calls(kernel, args, calls)
     b_times = profile_calls(baseline, args, calls)
     k = k_times.summary(k_times.kernel_us)
+    by_config = {}
+    for config in configs:
+        forced = jax.jit(partial(decode, implementation="cute", kernel_config=config))
+        times = profile_calls(forced, args, calls)
+        diff, lse_diff = _max_diffs(forced(*args), want)
+        by_config[config.slug] = {
+            "kernel_us": times.summary(times.kernel_us),
+            "max_abs_diff_vs_reference": diff,
+            "max_lse_diff_vs_reference": lse_diff,
+        }
     b = b_times.summary(b_times.kernel_us)
     b_span = b_times.summary(b_times.span_us)
     kv_bytes = unique_rows * 576
@@ -82,7 +102,9 @@ def measure(name, batch, heads, width, keys, calls):
         "H": heads,
         "K": width,
         "keys": keys,
+        "dispatch": choose_config(batch, -(-heads // 16) * 16, width, SM_COUNT).slug,
         "kernel_us": k,
+        "by_config": by_config,
         "baseline_us": b,
         "baseline_span_us": b_span,
         "kernel_names": k_times.names,
@@ -100,7 +122,8 @@ def measure(name, batch, heads, width, keys, calls):
 def plan(args):
     jobs = [(name, *CASES[name], CASE_KEYS[name]) for name in args.cases]
     jobs += [(f"keys-{n}", 5, 96, 2048, n) for n in args.sweep_keys]
-    jobs += [(f"rows-{b}", b, 96, 2048, 256) for b in args.sweep_rows]
+    jobs += [(f"rows-{b}", b, 128, 2048, 2048) for b in args.sweep_rows]
+    jobs += [(f"heads-{h}", 5, h, 2048, 256) for h in args.sweep_heads]
     return jobs
 
 
@@ -120,6 +143,7 @@ def write_outputs(results, out_dir):
         "H",
         "K",
         "keys",
+        "dispatch",
         "kernel_us",
         "baseline_us",
         "speedup",
@@ -183,29 +207,54 @@ def main() -> int:
         nargs="*",
         type=int,
         default=[1, 5, 16, 64, 256],
-        help="rows B for the sweep at H=96, 256 keys (empty: none)",
+        help="rows B for the sweep at H=128, 2048 keys (empty: none)",
+    )
+    parser.add_argument(
+        "--sweep-heads",
+        nargs="*",
+        type=int,
+        default=[16, 32, 64, 96, 128],
+        help="heads H for the sweep at B=5, 256 keys (empty: none)",
+    )
+    parser.add_argument(
+        "--configs",
+        nargs="*",
+        default=[],
+        choices=[f"s{split}" for split in SPLITS],
+        help="also time each of these kernel configs forced (s<split>: the cluster split)",
     )
     parser.add_argument("--calls", type=int, default=200, help="profiled calls per path")
     args = parser.parse_args()
     if jax.default_backend() != "gpu":
         print("bench_decode needs a GPU: the kernel path does not run on", jax.default_backend())
         return 2
+    global SM_COUNT
+    SM_COUNT = jax.devices()[0].core_count
+    configs = [KernelConfig(split=int(c[1:])) for c in args.configs]
     results = []
     jobs = plan(args)
     for i, (name, batch, heads, width, keys) in enumerate(jobs):
         print(
             f"[{i + 1}/{len(jobs)}] {name}: B={batch} H={heads} K={width} keys={keys}", flush=True
         )
-        r = measure(name, batch, heads, width, keys, args.calls)
+        r = measure(name, batch, heads, width, keys, args.calls, configs)
         results.append(r)
         k, b = r["kernel_us"], r["baseline_us"]
         print(
             f"    kernel {k['median']:.2f} us [{k['p10']:.2f}, {k['p90']:.2f}]  "
             f"reference {b['median']:.2f} us ({r['baseline_kernels']} kernels)  "
             f"x{r['speedup']:.1f}  {r['kernel_GBps']:.0f} GB/s  "
-            f"{r['kernel_TFLOPs']:.1f} TFLOP/s  floor {r['bandwidth_floor_us']:.2f} us",
+            f"{r['kernel_TFLOPs']:.1f} TFLOP/s  floor {r['bandwidth_floor_us']:.2f} us  "
+            f"(dispatch: {r['dispatch']})",
             flush=True,
         )
+        for slug, c in r["by_config"].items():
+            t = c["kernel_us"]
+            print(
+                f"      {slug}: {t['median']:.2f} us [{t['p10']:.2f}, {t['p90']:.2f}]  "
+                f"max diff vs reference {c['max_abs_diff_vs_reference']:.3g}",
+                flush=True,
+            )
         write_outputs(results, args.out)
     print(
         f"wrote {args.out}/results.json, results.csv"

@@ -1,12 +1,12 @@
 """Compile the sparse decode cubins ahead of time into a folder (no GPU needed).
 
-    python -m jax_sparse_mla.aot --out DIR                 # every variant
+    python -m jax_sparse_mla.aot --out DIR                 # every config
     python -m jax_sparse_mla.aot --out DIR --variant cluster-mma
 
-A cubin serves every batch size, head count, top-k width and cache size, so one per variant
-is all a machine needs. The wheel build runs this command and ships DIR inside the package
-(``jax_sparse_mla/_cubins``); DIR also works as JAX_SPARSE_MLA_CACHE_DIR on a machine
-without nvidia-cutlass-dsl.
+A cubin serves every batch size, head count, top-k width and cache size, so one per config
+(variant and cluster split) is all a machine needs. The wheel build runs this command and
+ships DIR inside the package (``jax_sparse_mla/_cubins``); DIR also works as
+JAX_SPARSE_MLA_CACHE_DIR on a machine without nvidia-cutlass-dsl.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import argparse
 import sys
 import time
 
-from jax_sparse_mla.kernel.config import ARCH, VARIANTS, KernelConfig
+from jax_sparse_mla.kernel.config import ALL_CONFIGS, ARCH, VARIANTS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,7 +33,8 @@ def main(argv: list[str] | None = None) -> int:
         help="kernel variant (repeatable; default: all)",
     )
     args = parser.parse_args(argv)
-    configs = [KernelConfig(variant) for variant in dict.fromkeys(args.variant or VARIANTS)]
+    variants = set(args.variant or VARIANTS)
+    configs = [config for config in ALL_CONFIGS if config.variant in variants]
 
     from jax_sparse_mla.kernel.compile import get_kernel
 

@@ -1,7 +1,8 @@
 """CUDA lowering of ``sparse_mla_decode_p``: an XLA FFI custom call that launches the kernel.
 
-The lowering picks the kernel variant's cubin with ``kernel.compile.get_kernel`` (one cubin
-serves every shape: the handler computes the grid from the operand shapes) and emits a
+The lowering picks the kernel config (the caller's, else ``kernel.dispatch.choose_config``
+by shape), loads its cubin with ``kernel.compile.get_kernel`` (one cubin per config serves
+every shape: the handler computes the grid from the operand shapes) and emits a
 typed-FFI custom call to ``FFI_TARGET`` whose attributes carry the cubin bytes (a ``u8``
 array, so NUL bytes survive) and the launch metadata. A lowered, exported or persistently
 cached executable is therefore self-contained; the handler library
@@ -37,6 +38,7 @@ from jax.interpreters import mlir
 
 from jax_sparse_mla import installed, primitive
 from jax_sparse_mla.kernel import compile as kernel_compile
+from jax_sparse_mla.kernel import dispatch
 from jax_sparse_mla.kernel.config import (
     MAX_BATCH,
     PARAMS,
@@ -130,14 +132,27 @@ def kernel_attributes(kernel: kernel_compile.CompiledKernel) -> dict[str, object
     }
 
 
+def _local_cuda_devices() -> list[jax.Device]:
+    try:
+        return jax.devices("cuda")
+    except RuntimeError:
+        return []
+
+
 @functools.cache
 def _local_cuda_capabilities() -> tuple[str, ...] | None:
     """Compute capabilities of this process's CUDA devices; None when it has none."""
-    try:
-        devices = jax.devices("cuda")
-    except RuntimeError:
+    devices = _local_cuda_devices()
+    if not devices:
         return None
     return tuple(sorted({str(getattr(d, "compute_capability", "?")) for d in devices}))
+
+
+@functools.cache
+def _sm_count() -> int:
+    """The local GPUs' smallest SM count; the H200's when lowering without a GPU."""
+    counts = [getattr(d, "core_count", 0) for d in _local_cuda_devices()]
+    return min(counts) if counts and min(counts) > 0 else dispatch.H200_SMS
 
 
 def _check_meta(kernel: kernel_compile.CompiledKernel, config: KernelConfig) -> None:
@@ -153,10 +168,10 @@ def _check_meta(kernel: kernel_compile.CompiledKernel, config: KernelConfig) -> 
         raise RuntimeError(f"cubin metadata for {config} does not match the ABI: {seen=}")
 
 
-def _kernel_or_reason(avals: Sequence[jax.core.ShapedArray]):
+def _kernel_or_reason(avals: Sequence[jax.core.ShapedArray], config: KernelConfig | None):
     """(CompiledKernel, None) when the kernel can run these shapes, else (None, reason)."""
-    q, kv = avals[0], avals[1]
-    batch = q.shape[0]
+    q, kv, rows = avals[0], avals[1], avals[2]
+    batch, padded_heads = q.shape[0], q.shape[1]
     capabilities = _local_cuda_capabilities()
     if capabilities is not None and capabilities != (HOPPER,):
         return None, f"the kernel needs Hopper (sm_90) GPUs; this process has {capabilities}"
@@ -171,7 +186,8 @@ def _kernel_or_reason(avals: Sequence[jax.core.ShapedArray]):
         register_ffi_target()
     except (FileNotFoundError, OSError) as err:
         return None, str(err)
-    config = KernelConfig()
+    if config is None:
+        config = dispatch.choose_config(batch, padded_heads, rows.shape[1], _sm_count())
     try:
         kernel = kernel_compile.get_kernel(config)
     except (KernelUnavailableError, ImportError) as err:
@@ -185,21 +201,20 @@ def _warn_fallback(reason: str) -> None:
     log.warning("jax_sparse_mla.decode: using the reference on CUDA: %s", reason)
 
 
-def _cuda_lowering(ctx, q, kv, rows, valid, scales, *, require_kernel):
+def _cuda_lowering(ctx, q, kv, rows, valid, scales, *, require_kernel, config):
     avals = ctx.avals_in
+    fallback = functools.partial(
+        primitive.reference_lowering, require_kernel=require_kernel, config=config
+    )
     if any(size == 0 for aval in avals[:3] for size in aval.shape):
         # Nothing to launch: empty outputs, or no keys at all (zeros and -inf).
-        return primitive.reference_lowering(
-            ctx, q, kv, rows, valid, scales, require_kernel=require_kernel
-        )
-    kernel, reason = _kernel_or_reason(avals)
+        return fallback(ctx, q, kv, rows, valid, scales)
+    kernel, reason = _kernel_or_reason(avals, config)
     if kernel is None:
         if require_kernel:
             raise NotImplementedError(f"implementation='cute' cannot use the kernel: {reason}")
         _warn_fallback(reason)
-        return primitive.reference_lowering(
-            ctx, q, kv, rows, valid, scales, require_kernel=require_kernel
-        )
+        return fallback(ctx, q, kv, rows, valid, scales)
     rule = jax.ffi.ffi_lowering(FFI_TARGET)
     return rule(ctx, q, kv, rows, valid, scales, **kernel_attributes(kernel))
 

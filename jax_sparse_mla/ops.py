@@ -5,10 +5,22 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_sparse_mla import reference, validation
+from jax_sparse_mla.kernel.config import KernelConfig
 from jax_sparse_mla.primitive import sparse_mla_decode_p
 
 
-def decode(q, kv, rows, valid, *, softmax_scale, q_scale=1.0, kv_scale=1.0, implementation=None):
+def decode(
+    q,
+    kv,
+    rows,
+    valid,
+    *,
+    softmax_scale,
+    q_scale=1.0,
+    kv_scale=1.0,
+    implementation=None,
+    kernel_config=None,
+):
     """Sparse MLA decode over an FP8 E4M3 cache: each query row attends its selected keys.
 
     Args:
@@ -29,6 +41,10 @@ def decode(q, kv, rows, valid, *, softmax_scale, q_scale=1.0, kv_scale=1.0, impl
       implementation: None (the kernel on a Hopper GPU, else the reference, noted once in the
         "jax_sparse_mla" logger), "cute" (the kernel or NotImplementedError at lowering),
         "reference" (pure jax.numpy).
+      kernel_config: a ``jax_sparse_mla.kernel.KernelConfig`` to force one compiled kernel
+        variant (tests, benchmarks); None (default) lets the dispatch rule choose by shape
+        (``jax_sparse_mla.kernel.dispatch.choose_config``). Not allowed with
+        implementation="reference".
 
     Returns:
       latent: [B, H, 512] bfloat16, softmax(logits) @ V * kv_scale.
@@ -38,6 +54,17 @@ def decode(q, kv, rows, valid, *, softmax_scale, q_scale=1.0, kv_scale=1.0, impl
     Not differentiable (inference only).
     """
     implementation = validation.check_implementation(implementation)
+    if kernel_config is not None:
+        if not isinstance(kernel_config, KernelConfig):
+            raise TypeError(
+                f"kernel_config must be a jax_sparse_mla.kernel.KernelConfig or None, got "
+                f"{kernel_config!r}"
+            )
+        if implementation == "reference":
+            raise ValueError(
+                f"kernel_config={kernel_config} picks a kernel variant, but "
+                "implementation='reference' runs no kernel"
+            )
     shapes = validation.check_decode_args(q, kv, rows, valid)
     softmax_scale = validation.check_softmax_scale(softmax_scale)
     q_scale = validation.check_scale("q_scale", q_scale)
@@ -58,6 +85,7 @@ def decode(q, kv, rows, valid, *, softmax_scale, q_scale=1.0, kv_scale=1.0, impl
         jnp.asarray(valid),
         scales,
         require_kernel=implementation == "cute",
+        config=kernel_config,
     )
     if padded != heads:
         latent, lse = latent[:, :heads], lse[:, :heads]

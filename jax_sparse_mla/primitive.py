@@ -3,8 +3,10 @@
 Operands are normalized by ``ops.decode``: q [B, Hp, 576] float8_e4m3fn with Hp a multiple of
 16, kv [N, W] float8_e4m3fn flat rows (W >= 576, the first 576 bytes read), rows [B, K]
 int32, valid [B] int32, scales float32[2] (scale_log2, out_scale). Results: latent
-[B, Hp, 512] bfloat16, lse [B, Hp] float32. The CUDA lowering to the kernel lives in
-``cuda_lowering``; every other platform lowers to the reference.
+[B, Hp, 512] bfloat16, lse [B, Hp] float32. Parameters: ``require_kernel`` (no fallback to the
+reference) and ``config`` (a ``KernelConfig`` forced by the caller, or None for the dispatch
+rule). The CUDA lowering to the kernel lives in ``cuda_lowering``; every other platform lowers
+to the reference.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ sparse_mla_decode_p.multiple_results = True
 sparse_mla_decode_p.def_impl(functools.partial(dispatch.apply_primitive, sparse_mla_decode_p))
 
 
-def _abstract_eval(q, kv, rows, valid, scales, *, require_kernel):
-    del require_kernel
+def _abstract_eval(q, kv, rows, valid, scales, *, require_kernel, config):
+    del require_kernel, config
     batch, heads, _ = q.shape
     assert heads % 16 == 0 and kv.ndim == 2 and rows.shape[0] == batch == valid.shape[0]
     assert scales.shape == (2,), scales.shape
@@ -42,8 +44,8 @@ def _abstract_eval(q, kv, rows, valid, scales, *, require_kernel):
 sparse_mla_decode_p.def_abstract_eval(_abstract_eval)
 
 
-def _reference_rule(q, kv, rows, valid, scales, *, require_kernel):
-    del require_kernel
+def _reference_rule(q, kv, rows, valid, scales, *, require_kernel, config):
+    del require_kernel, config
     return reference.decode_flat(q, kv, rows, valid, scales)
 
 
@@ -58,7 +60,7 @@ def _note_reference(platform: str) -> None:
     )
 
 
-def _portable_lowering(ctx, *args, require_kernel):
+def _portable_lowering(ctx, *args, require_kernel, config):
     platform = ctx.module_context.platforms[0] if ctx.module_context.platforms else "?"
     if require_kernel:
         raise NotImplementedError(
@@ -66,7 +68,7 @@ def _portable_lowering(ctx, *args, require_kernel):
             "Use implementation=None to fall back to the reference."
         )
     _note_reference(platform)
-    return reference_lowering(ctx, *args, require_kernel=require_kernel)
+    return reference_lowering(ctx, *args, require_kernel=require_kernel, config=config)
 
 
 mlir.register_lowering(sparse_mla_decode_p, _portable_lowering)

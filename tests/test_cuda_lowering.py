@@ -21,6 +21,7 @@ from jax._src.lib.mlir import ir
 import jax_sparse_mla
 from jax_sparse_mla import cuda_lowering
 from jax_sparse_mla.kernel import compile as kernel_compile
+from jax_sparse_mla.kernel import dispatch
 from jax_sparse_mla.kernel.config import PARAMS, KernelConfig, KernelUnavailableError
 
 B, H, K, N = 5, 20, 64, 1000  # H pads to 32 heads
@@ -36,7 +37,7 @@ def _fake_kernel(config: KernelConfig) -> kernel_compile.CompiledKernel:
         "cluster": list(config.cluster),
         "smem_bytes": 123456,
         "params": list(PARAMS),
-        "config": {"variant": config.variant},
+        "config": {"variant": config.variant, "split": config.split},
     }
     return kernel_compile.CompiledKernel(FAKE_CUBIN, meta)
 
@@ -50,19 +51,26 @@ def _args(batch=B, heads=H, width=K, cache_rows=N, row_bytes=576):
     )
 
 
-def _decode(implementation):
+def _decode(implementation, kernel_config=None):
     def fn(q, kv, rows, valid):
         return jax_sparse_mla.decode(
-            q, kv, rows, valid, softmax_scale=0.1, kv_scale=0.5, implementation=implementation
+            q,
+            kv,
+            rows,
+            valid,
+            softmax_scale=0.1,
+            kv_scale=0.5,
+            implementation=implementation,
+            kernel_config=kernel_config,
         )
 
     return jax.jit(fn)
 
 
-def _cuda_text(implementation, args=None) -> str:
+def _cuda_text(implementation, args=None, kernel_config=None) -> str:
     args = _args() if args is None else args
-    lowered = _decode(implementation).trace(*args).lower(lowering_platforms=("cuda",))
-    return lowered.as_text()
+    lowered = _decode(implementation, kernel_config).trace(*args)
+    return lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 
 def _custom_call_attributes(module_text: str) -> list[dict[str, object]]:
@@ -116,13 +124,80 @@ def test_lowering_emits_custom_call_with_cubin(fake_kernel):
     assert attrs["cubin"].dtype == np.uint8
     assert attrs["cubin"].tobytes() == FAKE_CUBIN
     assert attrs["kernel_name"] == "fake_entry"
-    assert attrs["head_tile"] == 16  # the handler's grid: (32 / 16 * 4, B, 1)
+    assert attrs["head_tile"] == 16  # the handler's grid: (32 / 16 * 1, B, 1)
     assert attrs["block"] == [512, 1, 1]
-    assert attrs["cluster"] == [4, 1, 1]
+    assert attrs["cluster"] == [1, 1, 1]  # K = 64 keys fit one CTA's chunk: split 1
     assert (attrs["smem_bytes"], attrs["smem_type"]) == (123456, "i64")
     # The operands are the padded primitive's: q [B, 32, 576], results [B, 32, 512] / [B, 32].
     assert f"tensor<{B}x{HP}x576xf8E4M3FN>" in text
     assert f"-> (tensor<{B}x{HP}x512xbf16>, tensor<{B}x{HP}xf32>)" in text
+
+
+@pytest.mark.parametrize(
+    "batch, heads, width, split",
+    [
+        (5, 96, 2048, 4),
+        (8, 64, 129, 4),
+        (5, 128, 2048, 2),
+        (16, 128, 2048, 1),
+        (64, 128, 2048, 1),
+        (1, 1, 300, 4),
+        (5, 96, 128, 1),  # one chunk per row: no cluster
+        (1, 16, 8, 1),
+    ],
+)
+def test_lowering_follows_the_dispatch_rule(fake_kernel, batch, heads, width, split):
+    """Without a GPU the rule assumes the H200's 132 SMs: the largest split in one wave."""
+    args = _args(batch=batch, heads=heads, width=width)
+    (attrs,) = _custom_call_attributes(_cuda_text("cute", args))
+    assert attrs["cluster"] == [split, 1, 1]
+    padded = -(-heads // 16) * 16
+    assert dispatch.choose_config(batch, padded, width) == KernelConfig(split=split)
+
+
+def test_dispatch_rule_uses_the_sm_count():
+    assert dispatch.choose_config(5, 128, 2048, sm_count=132).split == 2  # 40 clusters
+    assert dispatch.choose_config(5, 128, 2048, sm_count=160).split == 4
+    assert dispatch.choose_config(5, 128, 2048, sm_count=79).split == 1
+    assert dispatch.choose_config(70, 32, 2048, sm_count=132).split == 1  # 140: waves
+
+
+@pytest.mark.parametrize("split", [1, 2, 4])
+def test_kernel_config_forces_a_config(fake_kernel, split):
+    args = _args(batch=64, heads=128, width=8)  # the rule would take split 1
+    config = KernelConfig(split=split)
+    (attrs,) = _custom_call_attributes(_cuda_text("cute", args, kernel_config=config))
+    assert attrs["cluster"] == [split, 1, 1]
+
+
+def test_kernel_config_argument_errors():
+    q, kv, rows, valid = (jnp.zeros(a.shape, a.dtype) for a in _args())
+    with pytest.raises(TypeError, match="kernel_config"):
+        jax_sparse_mla.decode(q, kv, rows, valid, softmax_scale=0.1, kernel_config=2)
+    with pytest.raises(ValueError, match=r"kernel_config.*reference"):
+        jax_sparse_mla.decode(
+            q,
+            kv,
+            rows,
+            valid,
+            softmax_scale=0.1,
+            implementation="reference",
+            kernel_config=KernelConfig(split=2),
+        )
+
+
+def test_kernel_config_is_ignored_off_cuda():
+    """On CPU the primitive lowers to the reference whatever config a caller forces."""
+    q, kv, rows, valid = (jnp.ones(a.shape, a.dtype) for a in _args(width=4, cache_rows=8))
+    rows = jnp.zeros_like(rows)
+    valid = jnp.full_like(valid, 4)
+    kwargs = dict(softmax_scale=0.1, implementation=None)
+    forced = jax_sparse_mla.decode(
+        q, kv, rows, valid, kernel_config=KernelConfig(split=1), **kwargs
+    )
+    plain = jax_sparse_mla.decode(q, kv, rows, valid, **kwargs)
+    for a, b in zip(forced, plain, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_default_implementation_uses_kernel_on_cuda(fake_kernel):
@@ -153,7 +228,7 @@ def test_export_without_disabled_check_is_refused(fake_kernel):
 
 def test_export_real_kernel_roundtrips():
     try:
-        kernel = kernel_compile.get_kernel(KernelConfig())
+        kernel = kernel_compile.get_kernel(dispatch.choose_config(B, HP, K))
     except KernelUnavailableError as err:
         pytest.skip(f"no cubin on this machine: {err}")
     assert kernel.cubin[:4] == b"\x7fELF" and 0 in kernel.cubin
@@ -181,16 +256,16 @@ def test_shipped_cubin_serves_shapes_never_compiled(without_dsl):
         "the installed jax_sparse_mla ships no cubins (jax_sparse_mla/_cubins): install it "
         "with `pip install .`, whose build compiles them"
     )
-    (cubin_path,) = shipped.glob(
-        f"{KernelConfig().slug}-{kernel_compile.source_fingerprint()}-*.cubin"
-    )
     shapes = [(7, 40, 333, 50_000, 640), (1, 1, 1, 3, 576), (300, 128, 2048, 10, 592)]
     for batch, heads, width, cache_rows, row_bytes in shapes:
+        padded = -(-heads // 16) * 16
+        config = dispatch.choose_config(batch, padded, width)
+        (cubin_path,) = shipped.glob(f"{config.slug}-{kernel_compile.source_fingerprint()}-*.cubin")
         args = _args(batch, heads, width, cache_rows, row_bytes)
         text = _cuda_text("cute", args)
         (attrs,) = _custom_call_attributes(text)
         assert attrs["cubin"].tobytes() == cubin_path.read_bytes()
-        padded = -(-heads // 16) * 16
+        assert attrs["cluster"] == [config.split, 1, 1]
         assert f"tensor<{cache_rows}x{row_bytes}xf8E4M3FN>" in text  # padded rows, no copy
         assert f"tensor<{batch}x{padded}x576xf8E4M3FN>" in text
         jax.clear_caches()

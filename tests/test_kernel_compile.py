@@ -1,8 +1,9 @@
 """The kernel compiles on a CPU-only machine to an sm_90a cubin with the contract's ABI.
 
-Checks the SASS (cuobjdump from the nvidia-cuda-cuobjdump wheel): tensor-core MMAs (HMMA,
-E4M3 widened by F2FP), bulk copies (UBLKCP), cluster stores (STAS), no local-memory
-spills (LDL/STL), registers within 128 (512 threads); and the disk cache / AOT command.
+Every shipped config (each cluster split) is compiled. Checks the SASS (cuobjdump from the
+nvidia-cuda-cuobjdump wheel): tensor-core MMAs (HMMA, E4M3 widened by F2FP), bulk copies
+(UBLKCP), cluster stores (STAS, none at split 1), no local-memory spills (LDL/STL),
+registers within 128 (512 threads); and the disk cache / AOT command.
 """
 
 from __future__ import annotations
@@ -18,9 +19,7 @@ pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
 
 from jax_sparse_mla import aot
 from jax_sparse_mla.kernel import KernelConfig, KernelUnavailableError, compile
-from jax_sparse_mla.kernel.config import PARAMS, SMEM_BYTES
-
-CONFIG = KernelConfig()
+from jax_sparse_mla.kernel.config import ALL_CONFIGS, PARAMS, SMEM_BYTES, SPLITS
 
 
 def _cuobjdump() -> str:
@@ -37,25 +36,36 @@ def cache_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("cubins")
 
 
-@pytest.fixture(scope="module")
-def compiled(cache_dir):
-    return compile.get_kernel(CONFIG, cache_dir=cache_dir)
+@pytest.fixture(scope="module", params=ALL_CONFIGS, ids=lambda c: c.slug)
+def config(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def cubin_path(compiled, cache_dir):
-    path = cache_dir / "kernel.cubin"
+def compiled(cache_dir, config):
+    return compile.get_kernel(config, cache_dir=cache_dir)
+
+
+@pytest.fixture(scope="module")
+def cubin_path(compiled, cache_dir, config):
+    path = cache_dir / f"{config.slug}-kernel.cubin"
     path.write_bytes(compiled.cubin)
     return path
 
 
-def test_meta_matches_abi(compiled):
+def test_configs_cover_every_split():
+    assert sorted(c.split for c in ALL_CONFIGS) == sorted(SPLITS) == [1, 2, 4]
+    assert KernelConfig().split == 4  # the seed's cluster
+    assert len({c.slug for c in ALL_CONFIGS}) == len(ALL_CONFIGS)
+
+
+def test_meta_matches_abi(compiled, config):
     meta = compiled.meta
     assert meta["params"] == list(PARAMS)
-    assert meta["head_tile"] == CONFIG.head_tile == 16  # grid: (Hp / 16 * 4, B, 1)
-    assert meta["block"] == [512, 1, 1] and meta["cluster"] == [4, 1, 1]
+    assert meta["head_tile"] == config.head_tile == 16  # grid: (Hp / 16 * split, B, 1)
+    assert meta["block"] == [512, 1, 1] and meta["cluster"] == [config.split, 1, 1]
     assert meta["arch"] == "sm_90a" and meta["smem_bytes"] == SMEM_BYTES <= 227 * 1024
-    assert meta["config"] == {"variant": "cluster-mma"}
+    assert meta["config"] == {"variant": "cluster-mma", "split": config.split}
     assert compiled.cubin[:4] == b"\x7fELF"
     assert meta["kernel_name"].encode() in compiled.cubin
 
@@ -65,7 +75,7 @@ def test_entry_params_parse():
     assert compile.parse_entry(ptx) == ("k", ["u64", "u32"])
 
 
-def test_sass(cubin_path):
+def test_sass(cubin_path, config):
     tool = _cuobjdump()
     sass = subprocess.run(
         [tool, "--dump-sass", str(cubin_path)], capture_output=True, text=True, check=True
@@ -79,7 +89,10 @@ def test_sass(cubin_path):
     assert counts.get("HMMA", 0) == 2 * (18 + 4 * 4), counts.get("HMMA")
     assert counts.get("F2FP", 0) > 0  # E4M3 -> F16 unpack and the P / BF16 packing
     assert counts.get("UBLKCP", 0) >= 1  # cp.async.bulk gathers
-    assert counts.get("STAS", 0) >= 1  # st.async pushes over DSMEM
+    if config.split > 1:
+        assert counts.get("STAS", 0) >= 1  # st.async pushes over DSMEM
+    else:  # a 1-CTA cluster merges in its own shared memory: no DSMEM at all
+        assert "STAS" not in counts and "UCGABAR_WAIT" not in counts, counts
     assert counts.get("LDSM", 0) >= 1
     assert "LDL" not in counts and "STL" not in counts, "local-memory spills"
     usage = subprocess.run(
@@ -89,16 +102,16 @@ def test_sass(cubin_path):
     assert registers <= 128 and "STACK:0" in usage and "LOCAL:0" in usage, usage
 
 
-def test_disk_cache_hit(compiled, cache_dir, monkeypatch):
+def test_disk_cache_hit(compiled, cache_dir, config, monkeypatch):
     def fail(*args):
         raise AssertionError("compiled again despite a disk cache entry")
 
     monkeypatch.setattr(compile, "compile_kernel", fail)
-    again = compile.get_kernel(CONFIG, cache_dir=cache_dir)
+    again = compile.get_kernel(config, cache_dir=cache_dir)
     assert again.cubin == compiled.cubin and again.meta == compiled.meta
     # Without the DSL, an entry of any DSL version is accepted.
     monkeypatch.setattr(compile, "dsl_version", lambda: None)
-    assert compile.get_kernel(CONFIG, cache_dir=cache_dir).cubin == compiled.cubin
+    assert compile.get_kernel(config, cache_dir=cache_dir).cubin == compiled.cubin
 
 
 def test_unavailable_without_dsl(tmp_path, monkeypatch):
@@ -109,13 +122,18 @@ def test_unavailable_without_dsl(tmp_path, monkeypatch):
 
 def test_aot_command(tmp_path, capsys):
     assert aot.main(["--arch", "sm_90a", "--out", str(tmp_path)]) == 0
-    assert "cluster-mma-h16" in capsys.readouterr().out
-    (meta_path,) = tmp_path.glob("cluster-mma-h16-*.json")
-    meta = json.loads(meta_path.read_text())
-    assert meta["fingerprint"] == compile.source_fingerprint()
-    assert meta_path.with_suffix(".cubin").read_bytes()[:4] == b"\x7fELF"
+    printed = capsys.readouterr().out
+    for config in ALL_CONFIGS:
+        assert config.slug in printed
+        (meta_path,) = tmp_path.glob(f"{config.slug}-*.json")
+        meta = json.loads(meta_path.read_text())
+        assert meta["fingerprint"] == compile.source_fingerprint()
+        assert meta["cluster"] == [config.split, 1, 1]
+        assert meta_path.with_suffix(".cubin").read_bytes()[:4] == b"\x7fELF"
 
 
-def test_unknown_variant():
+def test_unknown_variant_or_split():
     with pytest.raises(ValueError, match="variant"):
         KernelConfig("wgmma")
+    with pytest.raises(ValueError, match="split"):
+        KernelConfig(split=3)

@@ -59,7 +59,7 @@ def test_property(decode, problem):
     check_against_truth(latent, lse, q, kv, rows, valid, averages=False, **scales)
 
 
-def check_nan_poisoning(implementation):
+def check_nan_poisoning(implementation, kernel_config=None):
     """NaN in a selected q head or kv row poisons exactly the (row, head)s that read it."""
     q, kv, rows = make_inputs(np.random.default_rng(7), 4, 20, 64, 16)
     rows[:, :] = np.arange(16)[None, :] + 16 * np.arange(4)[:, None]  # row b: keys 16b..16b+15
@@ -70,7 +70,13 @@ def check_nan_poisoning(implementation):
     kv[63, 1] = FP8_NAN  # row 3's last slot, redirected below: selected by no row
     rows[3, 15] = 60
     latent, lse = jax_sparse_mla.decode(
-        q, kv, rows, valid, softmax_scale=0.1, implementation=implementation
+        q,
+        kv,
+        rows,
+        valid,
+        softmax_scale=0.1,
+        implementation=implementation,
+        kernel_config=kernel_config,
     )
     bad = np.isnan(np.asarray(latent, np.float32)).any(-1) | np.isnan(np.asarray(lse))
     want = np.zeros_like(bad)
@@ -80,14 +86,16 @@ def check_nan_poisoning(implementation):
     assert np.all(np.isnan(np.asarray(lse))[want])
 
 
-def check_huge_logits(implementation):
+def check_huge_logits(implementation, kernel_config=None):
     """E4M3 extremes (|x| = 448) with a large scale: logits ~1e10, no inf/NaN anywhere."""
     q, kv, rows = make_inputs(np.random.default_rng(8), 3, 16, 100, 32)
     q = np.where(np.asarray(q, np.float32) > 0, 448.0, -448.0).astype(q.dtype)
     kv[:50] = np.where(np.asarray(kv[:50], np.float32) > 0, 448.0, -448.0).astype(kv.dtype)
     valid = np.array([32, 1, 0], np.int32)
     latent, lse = jax.jit(
-        lambda *a: jax_sparse_mla.decode(*a, softmax_scale=10.0, implementation=implementation)
+        lambda *a: jax_sparse_mla.decode(
+            *a, softmax_scale=10.0, implementation=implementation, kernel_config=kernel_config
+        )
     )(q, kv, rows, valid)
     assert np.all(np.isfinite(np.asarray(latent, np.float32)))
     assert np.all(np.isfinite(np.asarray(lse[:2]))) and np.all(np.asarray(lse[2]) == -np.inf)

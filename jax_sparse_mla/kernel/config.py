@@ -9,12 +9,14 @@ import dataclasses
 import math
 
 HEADS = 16  # query heads per cluster (the MMA's M)
-SPLIT = 4  # CTAs per cluster: each takes 1 / SPLIT of the row's keys
+# CTAs per cluster (a KernelConfig's split): each takes 1 / split of the row's keys and merges
+# LATENT / split columns. More CTAs per row shorten each CTA; fewer keep a grid in one wave.
+SPLITS = (1, 2, 4)
+MAX_SPLIT = max(SPLITS)
 THREADS = 512  # 16 warps
 WARPS = THREADS // 32
 ROW = 576  # bytes of a query or cache row (512 latent + 64 RoPE, FP8)
 LATENT = 512  # V: the first LATENT bytes of a cache row
-COLS = LATENT // SPLIT  # latent columns each CTA merges
 CHUNK = 128  # keys per chunk; QK warp w takes keys 8 w .. 8 w + 7
 QK_WARPS = CHUNK // 8
 SLOTS = CHUNK // WARPS  # key slots per warp: slot lane * WARPS + warp, for lane < SLOTS
@@ -32,11 +34,17 @@ Q_OFFSET = KV_OFFSET + STAGES * CHUNK * PITCH  # [HEADS, PITCH] u8: the 16 query
 P_OFFSET = Q_OFFSET + HEADS * PITCH  # [HEADS, P_PITCH] u8: E4M3 P
 RED_OFFSET = P_OFFSET + HEADS * P_PITCH  # [2, QK_WARPS, HEADS] f32: chunk maxima, sums
 LIVE_OFFSET = RED_OFFSET + 2 * QK_WARPS * HEADS * 4  # [STAGES, CHUNK] i32: key copied (1)
-INBOX_OFFSET = LIVE_OFFSET + STAGES * CHUNK * 4  # [SPLIT, HEADS, COLS] f32: peers' partials
-STATS_OFFSET = INBOX_OFFSET + SPLIT * HEADS * COLS * 4  # [SPLIT, 2, HEADS] f32: (max, sum)
-BAR_OFFSET = STATS_OFFSET + SPLIT * 2 * HEADS * 4  # u64 mbarriers: STAGES chunks, inbound
+# [split, HEADS, LATENT / split] f32: the partials of this CTA's columns (same size any split)
+INBOX_OFFSET = LIVE_OFFSET + STAGES * CHUNK * 4
+STATS_OFFSET = INBOX_OFFSET + HEADS * LATENT * 4  # [split, 2, HEADS] f32: (max, sum)
+BAR_OFFSET = STATS_OFFSET + MAX_SPLIT * 2 * HEADS * 4  # u64 mbarriers: STAGES chunks, inbound
 SMEM_BYTES = BAR_OFFSET + 8 * (STAGES + 1)
-INBOUND_BYTES = SPLIT * (HEADS * COLS + 2 * HEADS) * 4  # bytes the peers push to one CTA
+
+
+def inbound_bytes(split: int) -> int:
+    """Bytes the cluster's CTAs push to one CTA: its columns of every partial, and the stats."""
+    return (HEADS * LATENT + split * 2 * HEADS) * 4
+
 
 ARCH = "sm_90a"
 # The ABI of every cubin: seven global pointers, then four i32 sizes. The batch B is the grid's
@@ -71,15 +79,23 @@ class KernelConfig:
     """
 
     variant: str = "cluster-mma"
+    split: int = MAX_SPLIT
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
             raise ValueError(f"KernelConfig.variant must be one of {VARIANTS}, {self.variant=}")
+        if self.split not in SPLITS:
+            raise ValueError(f"KernelConfig.split must be one of {SPLITS}, {self.split=}")
 
     @property
     def slug(self) -> str:
         """File-name stem of this config."""
-        return f"{self.variant}-h{HEADS}"
+        return f"{self.variant}-h{HEADS}-s{self.split}"
+
+    @property
+    def cols(self) -> int:
+        """Latent columns each CTA of a cluster merges and writes."""
+        return LATENT // self.split
 
     @property
     def head_tile(self) -> int:
@@ -91,8 +107,11 @@ class KernelConfig:
 
     @property
     def cluster(self) -> tuple[int, int, int]:
-        return (SPLIT, 1, 1)
+        return (self.split, 1, 1)
 
 
 VARIANTS = ("cluster-mma",)
-"""The seed's design: clusters of SPLIT CTAs per 16 heads, FP8 mma.sync, DSMEM merge."""
+"""The seed's design: clusters of split CTAs per 16 heads, FP8 mma.sync, DSMEM merge."""
+
+ALL_CONFIGS = tuple(KernelConfig(variant, split) for variant in VARIANTS for split in SPLITS)
+"""Every config the package compiles and ships."""

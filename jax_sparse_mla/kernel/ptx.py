@@ -136,6 +136,14 @@ def store_shared_v4(addr, w0, w1, w2, w3, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def store_shared_v4_f32(addr, values, *, loc=None, ip=None) -> None:
+    """Four floats to shared memory (16-byte aligned)."""
+    code = "st.shared.v4.f32 [$0], {$1, $2, $3, $4};"
+    operands = [_i32(addr, loc, ip)] + [_f32(v, loc, ip) for v in values]
+    _asm(None, operands, code, "r,f,f,f,f,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
 def store_shared_u32(addr, word, *, loc=None, ip=None) -> None:
     """One word to shared memory."""
     operands = [_i32(addr, loc, ip), _i32(word, loc, ip)]

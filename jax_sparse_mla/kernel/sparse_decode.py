@@ -1,7 +1,8 @@
 """Sparse MLA decode on an FP8 E4M3 cache for Hopper (sm_90a), in CuTe DSL.
 
-A port of SparseDcpDecode (see DESIGN.md): a cluster of SPLIT CTAs per (16 heads, row b),
-each CTA taking 1 / SPLIT of the row's keys. Per chunk of up to CHUNK keys a CTA gathers the
+A port of SparseDcpDecode (see DESIGN.md): a cluster of ``split`` CTAs per (16 heads, row b),
+each CTA taking 1 / split of the row's keys (the seed: split = 4; 1 and 2 keep larger grids
+in one wave). Per chunk of up to CHUNK keys a CTA gathers the
 cache rows with cp.async.bulk (one 576-byte row each, on the chunk's mbarrier; STAGES buffers,
 so chunk c + 1 is in flight while chunk c is computed; beyond the seed), computes QK with
 FP8 mma.sync m16n8k32 (warp w: keys 8 w .. 8 w + 7 x 16 heads), runs an online softmax in
@@ -9,7 +10,10 @@ log2 units with E4M3 P at 448 of the running max (FP32 sums of the unquantized P
 accumulates PV with FP8 mma.sync (warp w: latent columns 32 w .. 32 w + 31; V transposed in
 registers with byte permutes). The cluster then merges its partials in FP32 over
 distributed shared memory (st.async onto each column owner's mbarrier); CTA s writes columns
-s * COLS .. s * COLS + COLS - 1 and, for s = 0, the LSE.
+s * cols .. s * cols + cols - 1 (cols = 512 / split) and, for s = 0, the LSE. With split = 1
+the "cluster" is the CTA itself: its partial goes through its own shared memory with plain
+stores and a CTA barrier (DSMEM needs a cluster of at least 2: compute-sanitizer rejects
+st.async in a 1-CTA cluster).
 
 Parameters are raw pointers and i32 sizes (the ABI: PARAMS in config.py). No size is
 static: the batch is the grid's y extent, and the cache rows, index width K, padded heads and
@@ -29,9 +33,7 @@ from jax_sparse_mla.kernel import ptx
 from jax_sparse_mla.kernel.config import (
     BAR_OFFSET,
     CHUNK,
-    COLS,
     HEADS,
-    INBOUND_BYTES,
     INBOX_OFFSET,
     KV_OFFSET,
     LATENT,
@@ -48,16 +50,15 @@ from jax_sparse_mla.kernel.config import (
     ROW,
     SLOTS,
     SMEM_BYTES,
-    SPLIT,
     STAGES,
     STATS_OFFSET,
     THREADS,
     WARPS,
+    inbound_bytes,
 )
 
 assert QK_WARPS == WARPS == HEADS and CHUNK % 32 == 0 and SLOTS <= 32
 QUERY_STEPS = -(-HEADS * (ROW // 16) // THREADS)  # 16-byte query pieces per thread
-assert COLS == 128  # the merge: 32 lanes x 4 columns per head
 
 
 def transpose4(w):
@@ -73,7 +74,14 @@ def transpose4(w):
 
 
 class SparseDecode:
-    """Sparse decode of B rows x Hp heads over rows [B, K] (grid: Hp / HEADS * SPLIT, B)."""
+    """Sparse decode of B rows x Hp heads over rows [B, K] (grid: Hp / HEADS * split, B)."""
+
+    def __init__(self, split: int):
+        self.split = split
+        self.cols = LATENT // split  # latent columns each CTA merges
+        # The merge: 32 lanes x per_lane columns per head, in 16-byte pieces.
+        self.per_lane = self.cols // 32
+        assert self.cols % 32 == 0 and self.per_lane % 4 == 0
 
     @cute.jit
     def __call__(
@@ -95,9 +103,9 @@ class SparseDecode:
         self.kernel(
             mQ, mKV, mRows, mValid, mScales, mLatent, mLse, n_rows, width, heads, row_bytes
         ).launch(
-            grid=(heads // HEADS * SPLIT, 1, 1),
+            grid=(heads // HEADS * self.split, 1, 1),
             block=(THREADS, 1, 1),
-            cluster=(SPLIT, 1, 1),
+            cluster=(self.split, 1, 1),
             smem=SMEM_BYTES,
             use_pdl=True,
         )
@@ -126,7 +134,7 @@ class SparseDecode:
 
         tid, _, _ = cute.arch.thread_idx()
         x, b, _ = cute.arch.block_idx()
-        tile, split = x // SPLIT, x % SPLIT
+        tile, part = x // self.split, x % self.split
         lane, warp = tid % 32, tid // 32
         group, quarter = lane // 4, lane % 4
         # Key slot of this thread in the gathers (lanes < SLOTS): spread over the warps, since
@@ -138,29 +146,31 @@ class SparseDecode:
             for stage in cutlass.range_constexpr(STAGES):
                 # One arrival per key slot: copying threads arrive with their row's bytes.
                 ptx.mbarrier_init(bar + 8 * stage, CHUNK)
-            ptx.mbarrier_init(inbound, 1)
+            if cutlass.const_expr(self.split > 1):
+                ptx.mbarrier_init(inbound, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-        if tid == 0:
-            ptx.mbarrier_arrive_expect_tx(inbound, INBOUND_BYTES)
-        # Every CTA's inbound barrier is armed before any peer pushes (cluster_wait below).
-        cute.arch.cluster_arrive_relaxed()
+        if cutlass.const_expr(self.split > 1):
+            if tid == 0:
+                ptx.mbarrier_arrive_expect_tx(inbound, inbound_bytes(self.split))
+            # Every CTA's inbound barrier is armed before any peer pushes (cluster_wait below).
+            cute.arch.cluster_arrive_relaxed()
         # Nothing above reads the inputs: the kernel before may still be running.
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
-        # Keys are split interleaved (key i -> CTA i % SPLIT): where this CTA's row indices lie
+        # Keys are split interleaved (key i -> CTA i % split): where this CTA's row indices lie
         # does not depend on the count, so the first chunk's indices (and the query) are read
         # together with it; an index past the count is read (in bounds) but never used.
-        rows_base = mRows.toint() + (Int64(b) * width + split) * 4
-        reach = (width - split + SPLIT - 1) // SPLIT  # this CTA's positions in rows[b]
+        rows_base = mRows.toint() + (Int64(b) * width + part) * 4
+        reach = (width - part + self.split - 1) // self.split  # this CTA's positions in rows[b]
         row = self.load_row(rows_base, min(reach, Int32(CHUNK)), 0, lane, slot)
         query = self.load_query(mQ, b, tile, heads, tid)
         scale_log2 = ptx.load_global_f32(mScales.toint())
         n = ptx.load_global_i32(mValid.toint() + Int64(b) * 4)
         self.store_query(sQ, query, tid)
         n = max(min(n, width), Int32(0))
-        mine = (max(n - split, Int32(0)) + SPLIT - 1) // SPLIT  # keys split + SPLIT j, j < mine
+        mine = (max(n - part, Int32(0)) + self.split - 1) // self.split  # keys part + split j
 
         m_run = cute.make_rmem_tensor((2,), Float32)  # rows group, group + 8 (log2 units)
         m_run.fill(neg_inf)
@@ -301,17 +311,21 @@ class SparseDecode:
                             acc[j, e] = d[e]
 
         # ---- push this CTA's partial to the column owners ---------------------------
-        cute.arch.cluster_wait()
-        owner = warp // (COLS // 32)  # columns 32 w .. 32 w + 31
-        remote_inbound = ptx.map_peer(inbound, owner)
+        owner = warp // (self.cols // 32)  # columns 32 w .. 32 w + 31
+        if cutlass.const_expr(self.split > 1):
+            cute.arch.cluster_wait()
+            remote_inbound = ptx.map_peer(inbound, owner)
         for r in cutlass.range_constexpr(2):
             head = group + 8 * r
             for e in cutlass.range_constexpr(2):
                 # acc[j, 2 r + e]: column 32 w + 8 q + 4 e + j
-                column = 32 * (warp % (COLS // 32)) + 8 * quarter + 4 * e
-                dst = sInbox + ((split * HEADS + head) * COLS + column) * 4
+                column = 32 * (warp % (self.cols // 32)) + 8 * quarter + 4 * e
+                dst = sInbox + ((part * HEADS + head) * self.cols + column) * 4
                 values = tuple(acc[j, 2 * r + e] for j in range(4))
-                ptx.push_v4_f32(ptx.map_peer(dst, owner), values, remote_inbound)
+                if cutlass.const_expr(self.split > 1):
+                    ptx.push_v4_f32(ptx.map_peer(dst, owner), values, remote_inbound)
+                else:
+                    ptx.store_shared_v4_f32(dst, values)
         # The sums of P: over the quad, then over the warps (sRed's sum half: free by now).
         sRedSum = sRed + QK_WARPS * HEADS * 4
         for r in cutlass.range_constexpr(2):
@@ -326,23 +340,30 @@ class SparseDecode:
                 l_run = ptx.load_shared_f32(sRedSum + head * 4)
                 for w in cutlass.range_constexpr(1, QK_WARPS):
                     l_run = l_run + ptx.load_shared_f32(sRedSum + (w * HEADS + head) * 4)
-                for peer in cutlass.range_constexpr(SPLIT):
-                    peer_inbound = ptx.map_peer(inbound, peer)
-                    m_dst = sStats + ((split * 2 + 0) * HEADS + head) * 4
-                    l_dst = sStats + ((split * 2 + 1) * HEADS + head) * 4
-                    ptx.push_f32(ptx.map_peer(m_dst, peer), m_run[r], peer_inbound)
-                    ptx.push_f32(ptx.map_peer(l_dst, peer), l_run, peer_inbound)
-        ptx.mbarrier_wait_cluster(inbound, 0)  # every source's partial of these columns
-        self.merge(mScales, mLatent, mLse, sInbox, sStats, tile, split, b, heads, tid)
+                m_dst = sStats + ((part * 2 + 0) * HEADS + head) * 4
+                l_dst = sStats + ((part * 2 + 1) * HEADS + head) * 4
+                if cutlass.const_expr(self.split > 1):
+                    for peer in cutlass.range_constexpr(self.split):
+                        peer_inbound = ptx.map_peer(inbound, peer)
+                        ptx.push_f32(ptx.map_peer(m_dst, peer), m_run[r], peer_inbound)
+                        ptx.push_f32(ptx.map_peer(l_dst, peer), l_run, peer_inbound)
+                else:
+                    ptx.store_shared_f32(m_dst, m_run[r])
+                    ptx.store_shared_f32(l_dst, l_run)
+        if cutlass.const_expr(self.split > 1):
+            ptx.mbarrier_wait_cluster(inbound, 0)  # every source's partial of these columns
+        else:
+            cute.arch.sync_threads()  # the CTA's own partial and stats are in place
+        self.merge(mScales, mLatent, mLse, sInbox, sStats, tile, part, b, heads, tid)
 
     @cute.jit
     def load_row(self, rows_base, limit, c, lane, slot):
-        """Slot ``slot``'s row index of chunk c: rows[b, split + SPLIT j] for j = c CHUNK + slot
+        """Slot ``slot``'s row index of chunk c: rows[b, part + split j] for j = c CHUNK + slot
         if j < limit, else -1 (nothing read)."""
         row = Int32(-1)
         j = c * CHUNK + slot
         if (lane < SLOTS) & (j < limit):
-            row = ptx.load_global_i32(rows_base + Int64(j) * (SPLIT * 4))
+            row = ptx.load_global_i32(rows_base + Int64(j) * (self.split * 4))
         return row
 
     @cute.jit
@@ -400,31 +421,33 @@ class SparseDecode:
         sInbox,
         sStats,
         tile,
-        split,
+        part,
         b,
         heads,
         tid,
     ):
-        """Columns split * COLS .. + COLS of the 16 heads over the cluster's FP32 partials:
-        thread t takes head t // 32, 4 columns."""
+        """Columns part * cols .. + cols of the 16 heads over the cluster's FP32 partials:
+        thread t takes head t // 32, per_lane columns."""
         out_scale = ptx.load_global_f32(mScales.toint() + 4)
         neg_inf = Float32(-math.inf)
         head, lane = tid // 32, tid % 32
         top = neg_inf
-        for c in cutlass.range_constexpr(SPLIT):
+        for c in cutlass.range_constexpr(self.split):
             top = cute.arch.fmax(top, ptx.load_shared_f32(sStats + ((c * 2) * HEADS + head) * 4))
         total = Float32(0.0)
-        merged = cute.make_rmem_tensor((4,), Float32)
+        merged = cute.make_rmem_tensor((self.per_lane,), Float32)
         merged.fill(0.0)
-        for c in cutlass.range_constexpr(SPLIT):
+        for c in cutlass.range_constexpr(self.split):
             maximum = ptx.load_shared_f32(sStats + ((c * 2) * HEADS + head) * 4)
             partial_sum = ptx.load_shared_f32(sStats + ((c * 2 + 1) * HEADS + head) * 4)
             rise = cute.math.exp2(maximum - top, fastmath=True)
             weight = ptx.where(maximum != neg_inf, rise, 0.0)
             total = total + weight * partial_sum
-            row = ptx.load_shared_v4_f32(sInbox + ((c * HEADS + head) * COLS + 4 * lane) * 4)
-            for e in cutlass.range_constexpr(4):
-                merged[e] = merged[e] + weight * row[e]
+            first = (c * HEADS + head) * self.cols + self.per_lane * lane
+            for v in cutlass.range_constexpr(self.per_lane // 4):
+                row = ptx.load_shared_v4_f32(sInbox + (first + 4 * v) * 4)
+                for e in cutlass.range_constexpr(4):
+                    merged[4 * v + e] = merged[4 * v + e] + weight * row[e]
         # != rather than >: a NaN total (a NaN logit) must poison the LSE, not empty the row.
         nonempty = total != Float32(0.0)
         lse2 = ptx.where(
@@ -432,9 +455,10 @@ class SparseDecode:
         )
         inverse = ptx.where(nonempty, out_scale / total, 0.0)
         gh = Int64(b) * heads + tile * HEADS + head
-        col = split * COLS + 4 * lane
-        w0 = ptx.bf16x2(merged[0] * inverse, merged[1] * inverse)
-        w1 = ptx.bf16x2(merged[2] * inverse, merged[3] * inverse)
-        ptx.store_global_v2(mLatent.toint() + (gh * LATENT + col) * 2, w0, w1)
-        if (split == 0) & (lane == 0):
+        col = part * self.cols + self.per_lane * lane
+        for v in cutlass.range_constexpr(self.per_lane // 4):
+            w0 = ptx.bf16x2(merged[4 * v] * inverse, merged[4 * v + 1] * inverse)
+            w1 = ptx.bf16x2(merged[4 * v + 2] * inverse, merged[4 * v + 3] * inverse)
+            ptx.store_global_v2(mLatent.toint() + (gh * LATENT + col + 4 * v) * 2, w0, w1)
+        if (part == 0) & (lane == 0):
             ptx.store_global_f32(mLse.toint() + gh * 4, lse2 * Float32(LN2))

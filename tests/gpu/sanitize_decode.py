@@ -3,9 +3,9 @@
     compute-sanitizer --tool memcheck --kernel-name regex:SparseDecode \\
         python3 tests/gpu/sanitize_decode.py
 
-Covers empty rows, counts below 0 and above K, out-of-range and boundary rows, duplicates,
-garbage past each count and rows padded past 576 bytes, on a small cache so that a stray
-read would leave it.
+Covers every kernel config (cluster split 1, 2, 4), empty rows, counts below 0 and above K,
+out-of-range and boundary rows, duplicates, garbage past each count and rows padded past 576
+bytes, on a small cache so that a stray read would leave it.
 """
 
 import jax
@@ -13,9 +13,15 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_sparse_mla
+from jax_sparse_mla.kernel.config import ALL_CONFIGS
 
 
 def main() -> None:
+    for config in ALL_CONFIGS:
+        run(config)
+
+
+def run(config) -> None:
     rng = np.random.default_rng(0)
     for batch, heads, width, row_bytes in ((4, 20, 64, 576), (5, 96, 2048, 576), (5, 40, 333, 640)):
         cache_rows = 300
@@ -27,12 +33,14 @@ def main() -> None:
         rows[2, 10:] = 2**31 - 1  # garbage past valid[2] = 10
         valid = np.array([width, width + 5, 10, -3, 0][:batch], np.int32)
         decode = jax.jit(
-            lambda *a: jax_sparse_mla.decode(*a, softmax_scale=0.1, implementation="cute")
+            lambda *a: jax_sparse_mla.decode(
+                *a, softmax_scale=0.1, implementation="cute", kernel_config=config
+            )
         )
         _, lse = jax.block_until_ready(decode(q, kv, jnp.asarray(rows), jnp.asarray(valid)))
         assert np.all(np.asarray(lse)[3] == -np.inf), "valid < 0 must give an empty row"
         assert np.all(np.isfinite(np.asarray(lse)[:3]))
-        print(f"B={batch} H={heads} K={width} W={row_bytes}: ok", flush=True)
+        print(f"{config.slug} B={batch} H={heads} K={width} W={row_bytes}: ok", flush=True)
 
 
 if __name__ == "__main__":

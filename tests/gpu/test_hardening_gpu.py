@@ -19,39 +19,52 @@ from test_reference import check_against_truth
 from truth import make_inputs
 
 import jax_sparse_mla
+from jax_sparse_mla.kernel import KernelConfig
+from jax_sparse_mla.kernel.config import SPLITS
 
 pytestmark = pytest.mark.gpu
+each_config = pytest.mark.parametrize(
+    "config", [KernelConfig(split=s) for s in SPLITS], ids=lambda c: f"s{c.split}"
+)
 
 
-def test_nan_poisons_only_what_reads_it():
-    check_nan_poisoning("cute")
+@each_config
+def test_nan_poisons_only_what_reads_it(config):
+    check_nan_poisoning("cute", config)
 
 
-def test_huge_logits_do_not_overflow():
-    check_huge_logits("cute")
+@each_config
+def test_huge_logits_do_not_overflow(config):
+    check_huge_logits("cute", config)
 
 
+@each_config
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(decode_problems(batch=4, heads=20, cache_rows=300, width=64))
-def test_kernel_property(problem):
+def test_kernel_property(config, problem):
     """Random counts (negative, above K), duplicates, one repeated row, boundary rows N - 1
     and 0, out-of-range rows, scales: all within the float64 truth's FP8 bound."""
     q, kv, rows, valid, scales = problem
-    latent, lse = jax_sparse_mla.decode(q, kv, rows, valid, implementation="cute", **scales)
+    latent, lse = jax_sparse_mla.decode(
+        q, kv, rows, valid, implementation="cute", kernel_config=config, **scales
+    )
     check_against_truth(latent, lse, q, kv, rows, valid, averages=False, **scales)
 
 
-def test_soak_is_bit_identical():
-    """5000 calls in one jitted loop, cycling 20 valid patterns: every output equals the
+@each_config
+def test_soak_is_bit_identical(config):
+    """100,000 calls in one jitted loop, cycling 20 valid patterns: every output equals the
     first call's output for its pattern, bit for bit."""
-    batch, heads, width, calls = 5, 96, 2048, 5000
+    batch, heads, width, calls = 5, 96, 2048, 100_000
     rng = np.random.default_rng(11)
     q, kv, rows = make_inputs(rng, batch, heads, 20000, width)
     patterns = jnp.asarray(rng.integers(-2, width + 3, (20, batch)), jnp.int32)
     patterns = patterns.at[0].set(jnp.array([0, 1, 256, width, 33], jnp.int32))
 
     def decode(q, kv, rows, valid):
-        return jax_sparse_mla.decode(q, kv, rows, valid, softmax_scale=0.07, implementation="cute")
+        return jax_sparse_mla.decode(
+            q, kv, rows, valid, softmax_scale=0.07, implementation="cute", kernel_config=config
+        )
 
     first = [jax.jit(decode)(q, kv, rows, patterns[i]) for i in range(len(patterns))]
     want_latent = jnp.stack([f[0] for f in first])

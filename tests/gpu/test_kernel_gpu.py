@@ -1,13 +1,14 @@
 """The sparse decode cubin on a GPU vs the float64 truth (tests/truth.py).
 
-One cubin (shipped in the installed package, cached, or compiled by nvidia-cutlass-dsl)
-serves every shape: B, padded H, K, the cache size and its row pitch W arrive at run time.
+One cubin per config (shipped in the installed package, cached, or compiled by
+nvidia-cutlass-dsl) serves every shape: B, padded H, K, the cache size and its row pitch W
+arrive at run time. Every config (cluster split 1, 2, 4) runs every shape.
 
     python -m pytest -s -m gpu tests/gpu/test_kernel_gpu.py
 
-Counts cover 0, 1, 31, 32, 33, CHUNK - 1, CHUNK, CHUNK + 1, 256, K, negative and above K;
-rows hold duplicates, out-of-range indices (skipped), and past each count garbage: in-range
-rows (wrong if read) and a NaN cache row (poisons the output if read).
+Counts cover 0, 1, 31, 32, 33, 63, 64, 65, CHUNK - 1, CHUNK, CHUNK + 1, 256, K, negative and
+above K; rows hold duplicates, out-of-range indices (skipped), and past each count garbage:
+in-range rows (wrong if read) and a NaN cache row (poisons the output if read).
 """
 
 from __future__ import annotations
@@ -25,16 +26,16 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/tr
 from truth import lse_tolerance, make_inputs, truth_decode
 
 from jax_sparse_mla.kernel import KernelConfig, get_kernel
-from jax_sparse_mla.kernel.config import CHUNK
+from jax_sparse_mla.kernel.config import CHUNK, SPLITS
 
 WIDTH = 2048
 CACHE_ROWS = 8192
-COUNTS = [0, 1, 31, 32, 33, CHUNK - 1, CHUNK, CHUNK + 1, 256, 2048, -7, 5000]
+COUNTS = [0, 1, 31, 32, 33, 63, 64, 65, CHUNK - 1, CHUNK, CHUNK + 1, 256, 2048, -7, 5000]
 WILD = [-1, -(2**31), CACHE_ROWS, CACHE_ROWS + 12345, 2**31 - 1]
 SOFTMAX_SCALE, Q_SCALE, KV_SCALE = 576**-0.5, 0.8, 1.25
 # (batch, padded heads, width, cache row bytes W): every H at K = 2048 for B in 1, 5, 64, then
 # odd widths, batches and padded rows (rows padded to W with NaN bytes, never read).
-SHAPES = [(b, h, WIDTH, 576) for b in (1, 5, 64) for h in (16, 64, 96, 128)] + [
+SHAPES = [(b, h, WIDTH, 576) for b in (1, 5, 16, 64) for h in (16, 64, 96, 128)] + [
     (1, 16, 256, 576),
     (3, 32, 40, 576),
     (7, 48, 333, 640),
@@ -44,7 +45,7 @@ SHAPES = [(b, h, WIDTH, 576) for b in (1, 5, 64) for h in (16, 64, 96, 128)] + [
 ]
 
 _CONTEXT = None
-_KERNEL = None
+_KERNELS = {}
 
 
 def _context():
@@ -56,14 +57,13 @@ def _context():
     return _CONTEXT
 
 
-def _kernel():
-    global _KERNEL
+def _kernel(split: int):
     from cubin_launch import CubinKernel
 
-    if _KERNEL is None:
-        compiled = get_kernel(KernelConfig())
-        _KERNEL = CubinKernel(compiled.cubin, compiled.meta)
-    return _KERNEL
+    if split not in _KERNELS:
+        compiled = get_kernel(KernelConfig(split=split))
+        _KERNELS[split] = CubinKernel(compiled.cubin, compiled.meta)
+    return _KERNELS[split]
 
 
 def _pad_rows(kv, row_bytes: int):
@@ -92,7 +92,7 @@ def make_case(rng, batch, heads, width, counts):
     return q, kv, rows, valid
 
 
-def run_case(shape, counts, seed: int):
+def run_case(shape, counts, seed: int, split: int):
     """Kernel vs truth for one launch; returns (max |err|, max |err| / bound, max LSE err)."""
     from cubin_launch import run_decode
 
@@ -102,7 +102,7 @@ def run_case(shape, counts, seed: int):
     scale_log2 = SOFTMAX_SCALE * Q_SCALE * KV_SCALE * math.log2(math.e)
     scales = np.array([scale_log2, KV_SCALE], np.float32)
     cache = _pad_rows(kv, row_bytes)
-    bits, lse = run_decode(_context(), _kernel(), q, cache, rows, valid, scales)
+    bits, lse = run_decode(_context(), _kernel(split), q, cache, rows, valid, scales)
     latent = (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     want, want_lse, bound = truth_decode(
         q, kv, rows, valid, softmax_scale=SOFTMAX_SCALE, q_scale=Q_SCALE, kv_scale=KV_SCALE
@@ -125,13 +125,14 @@ def _launches(batch: int):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("split", SPLITS, ids=lambda s: f"s{s}")
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-h{}-k{}-w{}".format(*s))
-def test_kernel_matches_truth(shape):
+def test_kernel_matches_truth(shape, split):
     worst = (0.0, 0.0, 0.0)
     for i, counts in enumerate(_launches(shape[0])):
-        result = run_case(shape, counts, seed=sum(shape) % 1000 + i)
+        result = run_case(shape, counts, seed=sum(shape) % 1000 + i, split=split)
         worst = tuple(max(a, b) for a, b in zip(worst, result, strict=True))
     print(
-        "\nb{}-h{}-k{}-w{}".format(*shape)
+        "\ns{} b{}-h{}-k{}-w{}".format(split, *shape)
         + f": max|err| {worst[0]:.3e}  max err/bound {worst[1]:.3f}  max|lse err| {worst[2]:.3e}"
     )
