@@ -142,6 +142,11 @@ def test_lowering_emits_custom_call_with_cubin(fake_kernel):
         (16, 128, 2048, 1),
         (64, 128, 2048, 1),
         (1, 1, 300, 4),
+        (1, 128, 2048, 8),  # 8 clusters: 64 CTAs of 256 index slots
+        (2, 64, 1024, 8),
+        (2, 64, 1023, 4),  # split 8 wants 8 chunks of index slots
+        (2, 128, 2048, 4),  # 16 clusters of 8 would exceed half the SMs
+        (3, 128, 2048, 4),
         (5, 96, 128, 1),  # one chunk per row: no cluster
         (1, 16, 8, 1),
     ],
@@ -162,7 +167,7 @@ def test_dispatch_rule_uses_the_sm_count():
     assert dispatch.choose_config(70, 32, 2048, sm_count=132).split == 1  # 140: waves
 
 
-@pytest.mark.parametrize("split", [1, 2, 4])
+@pytest.mark.parametrize("split", [1, 2, 4, 8])
 def test_kernel_config_forces_a_config(fake_kernel, split):
     args = _args(batch=64, heads=128, width=8)  # the rule would take split 1
     config = KernelConfig(split=split)

@@ -11,8 +11,8 @@ import math
 HEADS = 16  # query heads per cluster (the MMA's M)
 # CTAs per cluster (a KernelConfig's split): each takes 1 / split of the row's keys and merges
 # LATENT / split columns. More CTAs per row shorten each CTA; fewer keep a grid in one wave.
-SPLITS = (1, 2, 4)
-MAX_SPLIT = max(SPLITS)
+SPLITS = (1, 2, 4, 8)
+MAX_SPLIT = max(SPLITS)  # 8: the largest portable cluster
 THREADS = 512  # 16 warps
 WARPS = THREADS // 32
 ROW = 576  # bytes of a query or cache row (512 latent + 64 RoPE, FP8)
@@ -79,7 +79,7 @@ class KernelConfig:
     """
 
     variant: str = "cluster-mma"
-    split: int = MAX_SPLIT
+    split: int = 4  # the seed's cluster
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:

@@ -1,10 +1,10 @@
 """Which compiled kernel config runs a decode call: the dispatch rule, in one place.
 
 The rule sees only static shapes (rows B, padded heads Hp, index width K) and the GPU's SM
-count. It is backed by `benchmarks/bench_decode.py --configs s1 s2 s4` (BENCHMARKS.md,
-2026-11-30, H200): at every benchmarked shape it picks the config that measured fastest,
-except where the valid counts are far below K (32-128 keys of K = 2048: split 1 would be
-0.6-1.8 us faster, but the counts are only known on the GPU).
+count. It is backed by `benchmarks/bench_decode.py --configs s1 s2 s4 s8` (BENCHMARKS.md,
+2026-11-30, H200): at every benchmarked shape it picks the config that measured fastest or
+one within 0.7 us of it, except where the valid counts are far below K (32-128 keys of
+K = 2048: split 1 would be 0.6-1.8 us faster, but the counts are only known on the GPU).
 """
 
 from __future__ import annotations
@@ -12,6 +12,16 @@ from __future__ import annotations
 from jax_sparse_mla.kernel.config import CHUNK, HEADS, SPLITS, KernelConfig
 
 H200_SMS = 132  # assumed when lowering for CUDA without a local GPU (jax.export)
+
+
+def _fits_one_wave(clusters: int, split: int, width: int, sm_count: int) -> bool:
+    if split == 8:
+        # A cluster of 8 needs 8 free SMs of one GPC: fewer such clusters fit at once than
+        # sm_count / 8 (B = 2, H = 128: 16 clusters of 8 took two waves, 26.0 us vs 22.1 at
+        # split 4), so only grids up to half the SMs; and only for K >= 8 chunks (at 256
+        # keys split 8 is 0.2 us slower than 4).
+        return clusters * split <= sm_count // 2 and width >= split * CHUNK
+    return clusters * split <= sm_count
 
 
 def choose_config(
@@ -22,16 +32,16 @@ def choose_config(
 
     - K <= CHUNK (128): split 1. A row's keys fit one chunk of one CTA, and a cluster would
       only add its merge (B=5, H=96, 32-128 keys: 6.8-7.7 us at split 1, 8.3-8.5 at 4).
-    - Else one CTA fits per SM, so a grid of B * Hp / 16 * split CTAs runs in waves of
-      ``sm_count``: the largest split whose grid fits one wave (more CTAs per row, each
-      shorter: latency-h96 8.8 us at split 4, 12.2 at 1; latency-h128 9.5 us at split 2,
-      15.9 at 4), and split 1 when even split 1 needs several waves (no merge work:
-      throughput 293 us at split 1, 380 at 4).
+    - Else one CTA fits per SM, so a grid of B * Hp / 16 * split CTAs runs in waves: the
+      largest split whose grid fits one wave (more CTAs per row, each shorter: B=1, H=128,
+      2048 keys 13.1 us at split 8, 21.8 at 4; latency-h96 8.8 us at split 4, 12.2 at 1;
+      latency-h128 9.5 us at split 2, 15.9 at 4), and split 1 when even split 1 needs
+      several waves (no merge work: throughput 293 us at split 1, 380 at 4).
     """
     if width <= CHUNK:
         return KernelConfig(split=min(SPLITS))
     clusters = batch * (padded_heads // HEADS)
     for split in sorted(SPLITS, reverse=True):
-        if clusters * split <= sm_count:
+        if _fits_one_wave(clusters, split, width, sm_count):
             return KernelConfig(split=split)
     return KernelConfig(split=min(SPLITS))

@@ -96,6 +96,13 @@ def store_global_v2(addr, w0, w1, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def store_global_b32(addr, word, *, loc=None, ip=None) -> None:
+    """One word to global memory."""
+    operands = [_i64(addr, loc, ip), _i32(word, loc, ip)]
+    _asm(None, operands, "st.global.b32 [$0], $1;", "l,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
 def store_global_f32(addr, value, *, loc=None, ip=None) -> None:
     """st.global.f32."""
     operands = [_i64(addr, loc, ip), _f32(value, loc, ip)]
@@ -117,6 +124,14 @@ def load_shared_f32(addr, *, loc=None, ip=None) -> Float32:
     """ld.shared.f32."""
     code = "ld.shared.f32 $0, [$1];"
     return Float32(_asm(T.f32(), [_i32(addr, loc, ip)], code, "=f,r", True, loc, ip))
+
+
+@dsl_user_op
+def load_shared_v2_f32(addr, *, loc=None, ip=None) -> tuple:
+    """Two floats of shared memory (8-byte aligned)."""
+    code = "ld.shared.v2.f32 {$0, $1}, [$2];"
+    values = _asm([T.f32()] * 2, [_i32(addr, loc, ip)], code, "=f,=f,r", True, loc, ip)
+    return tuple(Float32(v) for v in values)
 
 
 @dsl_user_op

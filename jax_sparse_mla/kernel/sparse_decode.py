@@ -2,7 +2,7 @@
 
 A port of SparseDcpDecode (see DESIGN.md): a cluster of ``split`` CTAs per (16 heads, row b),
 each CTA taking 1 / split of the row's keys (the seed: split = 4; 1 and 2 keep larger grids
-in one wave). Per chunk of up to CHUNK keys a CTA gathers the
+in one wave, 8 shortens each CTA of a small grid). Per chunk of up to CHUNK keys a CTA gathers the
 cache rows with cp.async.bulk (one 576-byte row each, on the chunk's mbarrier; STAGES buffers,
 so chunk c + 1 is in flight while chunk c is computed; beyond the seed), computes QK with
 FP8 mma.sync m16n8k32 (warp w: keys 8 w .. 8 w + 7 x 16 heads), runs an online softmax in
@@ -79,9 +79,10 @@ class SparseDecode:
     def __init__(self, split: int):
         self.split = split
         self.cols = LATENT // split  # latent columns each CTA merges
-        # The merge: 32 lanes x per_lane columns per head, in 16-byte pieces.
+        # The merge: 32 lanes x per_lane columns per head, in pieces of up to 4 floats.
         self.per_lane = self.cols // 32
-        assert self.cols % 32 == 0 and self.per_lane % 4 == 0
+        self.piece = min(self.per_lane, 4)
+        assert self.cols % 32 == 0 and self.per_lane % self.piece == 0 and self.piece % 2 == 0
 
     @cute.jit
     def __call__(
@@ -444,10 +445,13 @@ class SparseDecode:
             weight = ptx.where(maximum != neg_inf, rise, 0.0)
             total = total + weight * partial_sum
             first = (c * HEADS + head) * self.cols + self.per_lane * lane
-            for v in cutlass.range_constexpr(self.per_lane // 4):
-                row = ptx.load_shared_v4_f32(sInbox + (first + 4 * v) * 4)
-                for e in cutlass.range_constexpr(4):
-                    merged[4 * v + e] = merged[4 * v + e] + weight * row[e]
+            for v in cutlass.range_constexpr(0, self.per_lane, self.piece):
+                if cutlass.const_expr(self.piece == 4):
+                    row = ptx.load_shared_v4_f32(sInbox + (first + v) * 4)
+                else:
+                    row = ptx.load_shared_v2_f32(sInbox + (first + v) * 4)
+                for e in cutlass.range_constexpr(self.piece):
+                    merged[v + e] = merged[v + e] + weight * row[e]
         # != rather than >: a NaN total (a NaN logit) must poison the LSE, not empty the row.
         nonempty = total != Float32(0.0)
         lse2 = ptx.where(
@@ -456,9 +460,12 @@ class SparseDecode:
         inverse = ptx.where(nonempty, out_scale / total, 0.0)
         gh = Int64(b) * heads + tile * HEADS + head
         col = part * self.cols + self.per_lane * lane
-        for v in cutlass.range_constexpr(self.per_lane // 4):
-            w0 = ptx.bf16x2(merged[4 * v] * inverse, merged[4 * v + 1] * inverse)
-            w1 = ptx.bf16x2(merged[4 * v + 2] * inverse, merged[4 * v + 3] * inverse)
-            ptx.store_global_v2(mLatent.toint() + (gh * LATENT + col + 4 * v) * 2, w0, w1)
+        for v in cutlass.range_constexpr(0, self.per_lane, self.piece):
+            w0 = ptx.bf16x2(merged[v] * inverse, merged[v + 1] * inverse)
+            if cutlass.const_expr(self.piece == 4):
+                w1 = ptx.bf16x2(merged[v + 2] * inverse, merged[v + 3] * inverse)
+                ptx.store_global_v2(mLatent.toint() + (gh * LATENT + col + v) * 2, w0, w1)
+            else:
+                ptx.store_global_b32(mLatent.toint() + (gh * LATENT + col + v) * 2, w0)
         if (part == 0) & (lane == 0):
             ptx.store_global_f32(mLse.toint() + gh * 4, lse2 * Float32(LN2))

@@ -3,7 +3,7 @@
     compute-sanitizer --tool memcheck --kernel-name regex:SparseDecode \\
         python3 tests/gpu/sanitize_decode.py
 
-Covers every kernel config (cluster split 1, 2, 4), empty rows, counts below 0 and above K,
+Covers every kernel config (cluster split 1, 2, 4, 8), empty rows, counts below 0 and above K,
 out-of-range and boundary rows, duplicates, garbage past each count and rows padded past 576
 bytes, on a small cache so that a stray read would leave it.
 """
