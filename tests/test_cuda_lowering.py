@@ -175,6 +175,21 @@ def test_kernel_config_forces_a_config(fake_kernel, split):
     assert attrs["cluster"] == [split, 1, 1]
 
 
+def test_fingerprint_covers_the_kernel_but_not_the_dispatch_rule(tmp_path, monkeypatch):
+    sources = tmp_path / "kernel"
+    sources.mkdir()
+    for path in kernel_compile._KERNEL_DIR.glob("*.py"):
+        (sources / path.name).write_bytes(path.read_bytes())
+    monkeypatch.setattr(kernel_compile, "_KERNEL_DIR", sources)
+    before = kernel_compile.source_fingerprint()
+    with open(sources / "dispatch.py", "a") as f:
+        f.write("# a retuned rule\n")
+    assert kernel_compile.source_fingerprint() == before
+    with open(sources / "sparse_decode.py", "a") as f:
+        f.write("# an edited kernel\n")
+    assert kernel_compile.source_fingerprint() != before
+
+
 def test_kernel_config_argument_errors():
     q, kv, rows, valid = (jnp.zeros(a.shape, a.dtype) for a in _args())
     with pytest.raises(TypeError, match="kernel_config"):

@@ -5,7 +5,8 @@ the installed package (``jax_sparse_mla/_cubins``, written by the wheel build), 
 (``$JAX_SPARSE_MLA_CACHE_DIR``, default ``~/.cache/jax_sparse_mla``), and finally compiles
 with nvidia-cutlass-dsl for sm_90a (no GPU needed) and stores the result in the disk cache.
 Entries are ``<slug>-<fingerprint>-<dsl version>.{cubin,json}``; the fingerprint hashes this
-package's kernel sources, so editing the kernel invalidates every entry (shipped ones too).
+package's kernel sources (not the dispatch rule), so editing the kernel invalidates every
+entry (shipped ones too).
 Shipped entries, and every entry on a machine without the DSL, are accepted whatever DSL
 version compiled them.
 """
@@ -48,10 +49,17 @@ class CompiledKernel:
     meta: dict
 
 
+# Modules of the kernel package that do not shape a cubin: editing them keeps every cache.
+_NOT_COMPILED = frozenset({"dispatch.py"})
+
+
 def source_fingerprint() -> str:
-    """Hash of the kernel package's sources (names and bytes), 16 hex digits."""
+    """Hash of the kernel package's sources that shape a cubin (names and bytes), 16 hex
+    digits; the dispatch rule is not one of them."""
     digest = hashlib.sha256()
     for path in sorted(_KERNEL_DIR.glob("*.py")):
+        if path.name in _NOT_COMPILED:
+            continue
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
