@@ -33,6 +33,7 @@ import jax_sparse_mla
 from jax_sparse_mla.kernel import KernelConfig
 from jax_sparse_mla.kernel.config import SPLITS
 from jax_sparse_mla.kernel.dispatch import choose_config
+from jax_sparse_mla.validation import HEAD_TILE
 
 HBM_BYTES_PER_S = 4.8e12  # H200 datasheet
 FP8_DENSE_FLOPS = 1979e12  # H200 dense FP8 tensor-core peak
@@ -44,7 +45,6 @@ CASES = {  # name -> (batch B, query heads H, width K), DESIGN.md section 4
     "rank-full": (5, 128, 2048),
     "throughput": (64, 128, 2048),
 }
-SM_COUNT = 132  # set from the GPU in main()
 CASE_KEYS = {  # valid keys per row of each named case
     "latency-h64": 256,
     "latency-h96": 256,
@@ -70,7 +70,7 @@ def _max_diffs(got, want) -> tuple[float, float]:
     return float(jnp.max(latent)), float(jnp.max(jnp.abs(got[1] - want[1])))
 
 
-def measure(name, batch, heads, width, keys, calls, configs):
+def measure(name, batch, heads, width, keys, calls, configs, sm_count):
     args, unique_rows = make_inputs(batch, heads, width, keys)
     scale = 192**-0.5
     decode = partial(jax_sparse_mla.decode, softmax_scale=scale)
@@ -102,7 +102,7 @@ def measure(name, batch, heads, width, keys, calls, configs):
         "H": heads,
         "K": width,
         "keys": keys,
-        "dispatch": choose_config(batch, -(-heads // 16) * 16, width, SM_COUNT).slug,
+        "dispatch": choose_config(batch, -(-heads // HEAD_TILE) * HEAD_TILE, width, sm_count).slug,
         "kernel_us": k,
         "by_config": by_config,
         "baseline_us": b,
@@ -228,8 +228,7 @@ def main() -> int:
     if jax.default_backend() != "gpu":
         print("bench_decode needs a GPU: the kernel path does not run on", jax.default_backend())
         return 2
-    global SM_COUNT
-    SM_COUNT = jax.devices()[0].core_count
+    sm_count = jax.devices()[0].core_count
     configs = [KernelConfig(split=int(c[1:])) for c in args.configs]
     results = []
     jobs = plan(args)
@@ -237,7 +236,7 @@ def main() -> int:
         print(
             f"[{i + 1}/{len(jobs)}] {name}: B={batch} H={heads} K={width} keys={keys}", flush=True
         )
-        r = measure(name, batch, heads, width, keys, args.calls, configs)
+        r = measure(name, batch, heads, width, keys, args.calls, configs, sm_count)
         results.append(r)
         k, b = r["kernel_us"], r["baseline_us"]
         print(

@@ -93,11 +93,6 @@ class KernelConfig:
         return f"{self.variant}-h{HEADS}-s{self.split}"
 
     @property
-    def cols(self) -> int:
-        """Latent columns each CTA of a cluster merges and writes."""
-        return LATENT // self.split
-
-    @property
     def head_tile(self) -> int:
         return HEADS
 

@@ -78,6 +78,8 @@ class SparseDecode:
 
     def __init__(self, split: int):
         self.split = split
+        # split 1 has no peers: its partial stays in its own shared memory (no DSMEM).
+        self.clustered = split > 1
         self.cols = LATENT // split  # latent columns each CTA merges
         # The merge: 32 lanes x per_lane columns per head, in pieces of up to 4 floats.
         self.per_lane = self.cols // 32
@@ -147,11 +149,11 @@ class SparseDecode:
             for stage in cutlass.range_constexpr(STAGES):
                 # One arrival per key slot: copying threads arrive with their row's bytes.
                 ptx.mbarrier_init(bar + 8 * stage, CHUNK)
-            if cutlass.const_expr(self.split > 1):
+            if cutlass.const_expr(self.clustered):
                 ptx.mbarrier_init(inbound, 1)
             cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-        if cutlass.const_expr(self.split > 1):
+        if cutlass.const_expr(self.clustered):
             if tid == 0:
                 ptx.mbarrier_arrive_expect_tx(inbound, inbound_bytes(self.split))
             # Every CTA's inbound barrier is armed before any peer pushes (cluster_wait below).
@@ -313,7 +315,7 @@ class SparseDecode:
 
         # ---- push this CTA's partial to the column owners ---------------------------
         owner = warp // (self.cols // 32)  # columns 32 w .. 32 w + 31
-        if cutlass.const_expr(self.split > 1):
+        if cutlass.const_expr(self.clustered):
             cute.arch.cluster_wait()
             remote_inbound = ptx.map_peer(inbound, owner)
         for r in cutlass.range_constexpr(2):
@@ -323,7 +325,7 @@ class SparseDecode:
                 column = 32 * (warp % (self.cols // 32)) + 8 * quarter + 4 * e
                 dst = sInbox + ((part * HEADS + head) * self.cols + column) * 4
                 values = tuple(acc[j, 2 * r + e] for j in range(4))
-                if cutlass.const_expr(self.split > 1):
+                if cutlass.const_expr(self.clustered):
                     ptx.push_v4_f32(ptx.map_peer(dst, owner), values, remote_inbound)
                 else:
                     ptx.store_shared_v4_f32(dst, values)
@@ -343,7 +345,7 @@ class SparseDecode:
                     l_run = l_run + ptx.load_shared_f32(sRedSum + (w * HEADS + head) * 4)
                 m_dst = sStats + ((part * 2 + 0) * HEADS + head) * 4
                 l_dst = sStats + ((part * 2 + 1) * HEADS + head) * 4
-                if cutlass.const_expr(self.split > 1):
+                if cutlass.const_expr(self.clustered):
                     for peer in cutlass.range_constexpr(self.split):
                         peer_inbound = ptx.map_peer(inbound, peer)
                         ptx.push_f32(ptx.map_peer(m_dst, peer), m_run[r], peer_inbound)
@@ -351,7 +353,7 @@ class SparseDecode:
                 else:
                     ptx.store_shared_f32(m_dst, m_run[r])
                     ptx.store_shared_f32(l_dst, l_run)
-        if cutlass.const_expr(self.split > 1):
+        if cutlass.const_expr(self.clustered):
             ptx.mbarrier_wait_cluster(inbound, 0)  # every source's partial of these columns
         else:
             cute.arch.sync_threads()  # the CTA's own partial and stats are in place
