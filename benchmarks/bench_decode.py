@@ -30,8 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from gpu_profile import profile_calls
 
 import jax_sparse_mla
-from jax_sparse_mla.kernel import KernelConfig
-from jax_sparse_mla.kernel.config import SPLITS
+from jax_sparse_mla.kernel.config import ALL_CONFIGS
 from jax_sparse_mla.kernel.dispatch import choose_config
 from jax_sparse_mla.validation import HEAD_TILE
 
@@ -68,6 +67,11 @@ def make_inputs(batch, heads, width, keys, seed=0):
 def _max_diffs(got, want) -> tuple[float, float]:
     latent = jnp.abs(got[0].astype(jnp.float32) - want[0].astype(jnp.float32))
     return float(jnp.max(latent)), float(jnp.max(jnp.abs(got[1] - want[1])))
+
+
+_CONFIG_NAMES = {
+    (f"s{c.split}" if c.variant == "cluster-mma" else c.variant): c for c in ALL_CONFIGS
+}
 
 
 def measure(name, batch, heads, width, keys, calls, configs, sm_count):
@@ -220,8 +224,9 @@ def main() -> int:
         "--configs",
         nargs="*",
         default=[],
-        choices=[f"s{split}" for split in SPLITS],
-        help="also time each of these kernel configs forced (s<split>: the cluster split)",
+        choices=sorted(_CONFIG_NAMES),
+        help="also time each of these kernel configs forced (s<split>: cluster-mma at that "
+        "cluster split; wgmma: the warpgroup-MMA variant)",
     )
     parser.add_argument("--calls", type=int, default=200, help="profiled calls per path")
     args = parser.parse_args()
@@ -229,7 +234,7 @@ def main() -> int:
         print("bench_decode needs a GPU: the kernel path does not run on", jax.default_backend())
         return 2
     sm_count = jax.devices()[0].core_count
-    configs = [KernelConfig(split=int(c[1:])) for c in args.configs]
+    configs = [_CONFIG_NAMES[c] for c in args.configs]
     results = []
     jobs = plan(args)
     for i, (name, batch, heads, width, keys) in enumerate(jobs):

@@ -4,7 +4,8 @@
 // a lowered, exported or cached executable is self-contained:
 //   cubin        u8[]     the cubin bytes (an ELF image; NUL bytes included)
 //   kernel_name  string   the entry symbol inside the cubin
-//   head_tile    i64      query heads per cluster: the grid is (Hp / head_tile * cluster.x, B, 1)
+//   head_tile    i64      query heads per cluster: the grid is (ceil(Hp / head_tile) * cluster.x,
+//                         B, 1); a last partial tile's missing heads are neither read nor written
 //   block        i64[3]   block dimensions in threads
 //   cluster      i64[3]   cluster dimensions in blocks
 //   smem_bytes   i64      dynamic shared memory per block
@@ -116,6 +117,7 @@ ffi::TypeId KernelState::id = {};
 
 constexpr int64_t kRowBytes = 576;  // a query row; a cache row's first 576 bytes
 constexpr int64_t kLatent = 512;
+constexpr int64_t kHeadGrain = 16;  // Hp is padded to a multiple of 16 (validation.HEAD_TILE)
 
 namespace {
 
@@ -303,12 +305,13 @@ ffi::Error Execute(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8Buff
     return InvalidShape("operand shapes disagree with q [" + std::to_string(batch) + ", " +
                         std::to_string(heads) + ", 576]");
   }
-  if (batch < 1 || batch > cu::kMaxGridY || heads < 1 || heads % state->head_tile != 0 ||
-      heads / state->head_tile * state->cluster[0] > INT32_MAX || width < 1 ||
+  const int64_t tiles = (heads + state->head_tile - 1) / state->head_tile;
+  if (batch < 1 || batch > cu::kMaxGridY || heads < 1 || heads % kHeadGrain != 0 ||
+      tiles * state->cluster[0] > INT32_MAX || width < 1 ||
       width > INT32_MAX || kv_rows > INT32_MAX) {
     return InvalidShape("unsupported sizes: B=" + std::to_string(batch) +
                         " (1.." + std::to_string(cu::kMaxGridY) + "), Hp=" + std::to_string(heads) +
-                        " (a multiple of " + std::to_string(state->head_tile) +
+                        " (a multiple of " + std::to_string(kHeadGrain) +
                         "), K=" + std::to_string(width) + ", N=" + std::to_string(kv_rows) +
                         " (int32)");
   }
@@ -348,7 +351,7 @@ ffi::Error Execute(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8Buff
   attrs[1].value.programmaticStreamSerializationAllowed = 1;
 
   CUlaunchConfig config{};
-  config.gridDimX = static_cast<unsigned int>(heads / state->head_tile) * state->cluster[0];
+  config.gridDimX = static_cast<unsigned int>(tiles) * state->cluster[0];
   config.gridDimY = static_cast<unsigned int>(batch);
   config.gridDimZ = 1;
   config.blockDimX = state->block[0];

@@ -134,37 +134,43 @@ def test_lowering_emits_custom_call_with_cubin(fake_kernel):
 
 
 @pytest.mark.parametrize(
-    "batch, heads, width, split",
+    "batch, heads, width, config",
     [
-        (5, 96, 2048, 4),
-        (8, 64, 129, 4),
-        (5, 128, 2048, 2),
-        (16, 128, 2048, 1),
-        (64, 128, 2048, 1),
-        (1, 1, 300, 4),
-        (1, 128, 2048, 8),  # 8 clusters: 64 CTAs of 256 index slots
-        (2, 64, 1024, 8),
-        (2, 64, 1023, 4),  # split 8 wants 8 chunks of index slots
-        (2, 128, 2048, 4),  # 16 clusters of 8 would exceed half the SMs
-        (3, 128, 2048, 4),
-        (5, 96, 128, 1),  # one chunk per row: no cluster
-        (1, 16, 8, 1),
+        (5, 96, 2048, KernelConfig(split=4)),
+        (8, 64, 129, KernelConfig(split=4)),
+        (5, 128, 2048, KernelConfig(split=2)),
+        (16, 128, 2048, KernelConfig(split=1)),  # 128 CTAs: one wave
+        (17, 128, 2048, KernelConfig("wgmma")),  # split 1 would need two waves
+        (64, 128, 2048, KernelConfig("wgmma")),
+        (64, 128, 128, KernelConfig(split=1)),  # one chunk per row
+        (1, 1, 300, KernelConfig(split=4)),
+        (1, 128, 2048, KernelConfig(split=8)),  # 8 clusters: 64 CTAs of 256 index slots
+        (2, 64, 1024, KernelConfig(split=8)),
+        (2, 64, 1023, KernelConfig(split=4)),  # split 8 wants 8 chunks of index slots
+        (2, 128, 2048, KernelConfig(split=4)),  # 16 clusters of 8 would exceed half the SMs
+        (3, 128, 2048, KernelConfig(split=4)),
+        (5, 96, 128, KernelConfig(split=1)),  # one chunk per row: no cluster
+        (1, 16, 8, KernelConfig(split=1)),
     ],
+    ids=str,
 )
-def test_lowering_follows_the_dispatch_rule(fake_kernel, batch, heads, width, split):
-    """Without a GPU the rule assumes the H200's 132 SMs: the largest split in one wave."""
+def test_lowering_follows_the_dispatch_rule(fake_kernel, batch, heads, width, config):
+    """Without a GPU the rule assumes the H200's 132 SMs: the largest split in one wave, and
+    wgmma where even split 1 needs several waves."""
     args = _args(batch=batch, heads=heads, width=width)
     (attrs,) = _custom_call_attributes(_cuda_text("cute", args))
-    assert attrs["cluster"] == [split, 1, 1]
+    assert attrs["cluster"] == [config.split, 1, 1]
+    assert attrs["head_tile"] == config.head_tile and attrs["block"] == list(config.block)
     padded = -(-heads // 16) * 16
-    assert dispatch.choose_config(batch, padded, width) == KernelConfig(split=split)
+    assert dispatch.choose_config(batch, padded, width) == config
 
 
 def test_dispatch_rule_uses_the_sm_count():
     assert dispatch.choose_config(5, 128, 2048, sm_count=132).split == 2  # 40 clusters
     assert dispatch.choose_config(5, 128, 2048, sm_count=160).split == 4
     assert dispatch.choose_config(5, 128, 2048, sm_count=79).split == 1
-    assert dispatch.choose_config(70, 32, 2048, sm_count=132).split == 1  # 140: waves
+    assert dispatch.choose_config(5, 128, 2048, sm_count=39).variant == "wgmma"
+    assert dispatch.choose_config(70, 32, 2048, sm_count=132).variant == "wgmma"  # 140 CTAs
 
 
 @pytest.mark.parametrize("split", [1, 2, 4, 8])

@@ -1,9 +1,12 @@
 """The kernel compiles on a CPU-only machine to an sm_90a cubin with the contract's ABI.
 
-Every shipped config (each cluster split) is compiled. Checks the SASS (cuobjdump from the
-nvidia-cuda-cuobjdump wheel): tensor-core MMAs (HMMA, E4M3 widened by F2FP), bulk copies
-(UBLKCP), cluster stores (STAS, none at split 1), no local-memory spills (LDL/STL),
-registers within 128 (512 threads); and the disk cache / AOT command.
+Every shipped config (each cluster split of cluster-mma, and wgmma) is compiled. Checks the
+SASS (cuobjdump from the nvidia-cuda-cuobjdump wheel): cluster-mma's tensor-core MMAs (HMMA,
+E4M3 widened by F2FP), bulk copies (UBLKCP), cluster stores (STAS, none at split 1), registers
+within 128 (512 threads); wgmma's F16 HGMMA (QK and PV from shared memory, V read
+transposed), issued back to back (one warpgroup arrive per group, not one per MMA),
+16-byte cp.async gathers (LDGSTS); no local-memory spills (LDL/STL) anywhere; and the disk
+cache / AOT command.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
 
 from jax_sparse_mla import aot
 from jax_sparse_mla.kernel import KernelConfig, KernelUnavailableError, compile
-from jax_sparse_mla.kernel.config import ALL_CONFIGS, PARAMS, SMEM_BYTES, SPLITS
+from jax_sparse_mla.kernel.config import ALL_CONFIGS, PARAMS, SMEM_BYTES, SPLITS, WG_SMEM_BYTES
 
 
 def _cuobjdump() -> str:
@@ -54,18 +57,25 @@ def cubin_path(compiled, cache_dir, config):
 
 
 def test_configs_cover_every_split():
-    assert sorted(c.split for c in ALL_CONFIGS) == sorted(SPLITS) == [1, 2, 4, 8]
+    mma = sorted(c.split for c in ALL_CONFIGS if c.variant == "cluster-mma")
+    assert mma == sorted(SPLITS) == [1, 2, 4, 8]
+    assert [c for c in ALL_CONFIGS if c.variant == "wgmma"] == [KernelConfig("wgmma", 1)]
     assert KernelConfig().split == 4  # the seed's cluster
+    assert KernelConfig("wgmma") == KernelConfig("wgmma", 1)
     assert len({c.slug for c in ALL_CONFIGS}) == len(ALL_CONFIGS)
 
 
 def test_meta_matches_abi(compiled, config):
     meta = compiled.meta
     assert meta["params"] == list(PARAMS)
-    assert meta["head_tile"] == config.head_tile == 16  # grid: (Hp / 16 * split, B, 1)
-    assert meta["block"] == [512, 1, 1] and meta["cluster"] == [config.split, 1, 1]
-    assert meta["arch"] == "sm_90a" and meta["smem_bytes"] == SMEM_BYTES <= 227 * 1024
-    assert meta["config"] == {"variant": "cluster-mma", "split": config.split}
+    # grid: (ceil(Hp / head_tile) * split, B, 1)
+    wgmma = config.variant == "wgmma"
+    assert meta["head_tile"] == config.head_tile == (64 if wgmma else 16)
+    assert meta["block"] == [256 if wgmma else 512, 1, 1]
+    assert meta["cluster"] == [config.split, 1, 1]
+    smem = WG_SMEM_BYTES if wgmma else SMEM_BYTES
+    assert meta["arch"] == "sm_90a" and meta["smem_bytes"] == smem <= 227 * 1024
+    assert meta["config"] == {"variant": config.variant, "split": config.split}
     assert compiled.cubin[:4] == b"\x7fELF"
     assert meta["kernel_name"].encode() in compiled.cubin
 
@@ -85,21 +95,34 @@ def test_sass(cubin_path, config):
     counts = {}
     for op in ops:
         counts[op.split(".")[0]] = counts.get(op.split(".")[0], 0) + 1
-    # QK: 18 k-steps, PV: 4 steps x 4 n-tiles; each m16n8k32 E4M3 MMA is two HMMA.16816.
-    assert counts.get("HMMA", 0) == 2 * (18 + 4 * 4), counts.get("HMMA")
-    assert counts.get("F2FP", 0) > 0  # E4M3 -> F16 unpack and the P / BF16 packing
-    assert counts.get("UBLKCP", 0) >= 1  # cp.async.bulk gathers
-    if config.split > 1:
-        assert counts.get("STAS", 0) >= 1  # st.async pushes over DSMEM
-    else:  # a 1-CTA cluster merges in its own shared memory: no DSMEM at all
-        assert "STAS" not in counts and "UCGABAR_WAIT" not in counts, counts
-    assert counts.get("LDSM", 0) >= 1
     assert "LDL" not in counts and "STL" not in counts, "local-memory spills"
+    if config.variant == "wgmma":
+        # Per 64-key chunk and warpgroup: QK 36 k16 steps of m64n32 (its 32 keys), PV 4 k16
+        # steps of m64n256 (its 256 columns), F16.
+        assert counts.get("HGMMA", 0) == 36 + 4, counts
+        assert "HMMA" not in counts and "QGMMA" not in counts
+        # One arrive and one wait per group (QK, PV): ptxas did not serialise the wgmmas.
+        assert counts.get("WARPGROUP", 0) == 4, counts.get("WARPGROUP")
+        assert counts.get("LDGSTS", 0) >= 1  # 16-byte cp.async gathers
+        assert len(re.findall(r"HGMMA\.64x32x16\.F32 R\d+, gdesc\[UR\d+\]", sass)) == 36
+        # PV: B (V) read MN-major from shared memory.
+        assert len(re.findall(r"HGMMA\.64x256x16\.F32 R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 4
+    else:
+        # QK: 18 k-steps, PV: 4 steps x 4 n-tiles; each m16n8k32 E4M3 MMA is two HMMA.16816.
+        assert counts.get("HMMA", 0) == 2 * (18 + 4 * 4), counts.get("HMMA")
+        assert counts.get("F2FP", 0) > 0  # E4M3 -> F16 unpack and the P / BF16 packing
+        assert counts.get("UBLKCP", 0) >= 1  # cp.async.bulk gathers
+        if config.split > 1:
+            assert counts.get("STAS", 0) >= 1  # st.async pushes over DSMEM
+        else:  # a 1-CTA cluster merges in its own shared memory: no DSMEM at all
+            assert "STAS" not in counts and "UCGABAR_WAIT" not in counts, counts
+        assert counts.get("LDSM", 0) >= 1
     usage = subprocess.run(
         [tool, "--dump-resource-usage", str(cubin_path)], capture_output=True, text=True
     ).stdout
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
-    assert registers <= 128 and "STACK:0" in usage and "LOCAL:0" in usage, usage
+    assert registers <= 65536 // config.block[0], usage  # one CTA's threads fit an SM
+    assert "STACK:0" in usage and "LOCAL:0" in usage, usage
 
 
 def test_disk_cache_hit(compiled, cache_dir, config, monkeypatch):
@@ -134,6 +157,8 @@ def test_aot_command(tmp_path, capsys):
 
 def test_unknown_variant_or_split():
     with pytest.raises(ValueError, match="variant"):
-        KernelConfig("wgmma")
+        KernelConfig("mma-v2")
     with pytest.raises(ValueError, match="split"):
         KernelConfig(split=3)
+    with pytest.raises(ValueError, match="split"):
+        KernelConfig("wgmma", 4)

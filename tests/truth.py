@@ -52,7 +52,25 @@ def truth_decode(q, kv, rows, valid, *, softmax_scale, q_scale=1.0, kv_scale=1.0
     return latent, lse, bound
 
 
-def lse_tolerance(lse):
-    """LSE from FP32 sums of unquantized P: a few FP32 ulps of the logits' scale."""
+def logit_magnitude(q, kv, rows, valid, *, softmax_scale, q_scale=1.0, kv_scale=1.0):
+    """[B, H]: the largest scale * sum_i |q_i k_i| over each row's live keys (0 for empty
+    rows): the size of the FP32 partial sums of a logit, which cancellation hides from it."""
+    q = np.abs(np.asarray(q).astype(np.float64))
+    kv = np.abs(np.asarray(kv).astype(np.float64).reshape(-1, 576))
+    rows, valid = np.asarray(rows), np.asarray(valid)
+    scale = abs(softmax_scale * q_scale * kv_scale)
+    magnitude = np.zeros(q.shape[:2])
+    for b in range(q.shape[0]):
+        live = [int(r) for r in rows[b, : max(0, min(int(valid[b]), rows.shape[1]))]]
+        live = [r for r in live if 0 <= r < kv.shape[0]]
+        if live:
+            magnitude[b] = (q[b] @ kv[live].T).max(axis=1) * scale
+    return magnitude
+
+
+def lse_tolerance(lse, magnitude=0.0):
+    """LSE from FP32 sums of unquantized P: a few FP32 ulps of the logits' scale, i.e. of
+    |LSE| or, where large terms cancel, of their size (``magnitude``, logit_magnitude's):
+    8 ulps (2**-21) of it, the rounding of a few of the 576 FP32 partial sums."""
     finite = np.where(np.isfinite(lse), np.abs(lse), 0.0)
-    return 2e-5 + 4e-6 * finite
+    return 2e-5 + np.maximum(4e-6 * finite, 2.0**-21 * np.asarray(magnitude))

@@ -29,7 +29,6 @@ from jax_sparse_mla.kernel.config import (
     PARAM_TYPES,
     PARAMS,
     ROW,
-    SMEM_BYTES,
     KernelConfig,
     KernelUnavailableError,
 )
@@ -169,6 +168,9 @@ def compile_kernel(config: KernelConfig, fingerprint: str, version: str) -> Comp
     from cutlass.cute.runtime import make_ptr
 
     from jax_sparse_mla.kernel.sparse_decode import SparseDecode
+    from jax_sparse_mla.kernel.wgmma_decode import WgmmaDecode
+
+    kernel_class = {"cluster-mma": SparseDecode, "wgmma": WgmmaDecode}[config.variant]
 
     gmem = cute.AddressSpace.gmem
     args = (
@@ -186,7 +188,7 @@ def compile_kernel(config: KernelConfig, fingerprint: str, version: str) -> Comp
     )
     with tempfile.TemporaryDirectory(prefix="jax_sparse_mla-") as dump:
         options = f"--gpu-arch {ARCH} --keep-cubin --keep-ptx --dump-dir {dump}"
-        compiled = cute.compile(SparseDecode(config.split), *args, options=options)
+        compiled = cute.compile(kernel_class(config.split), *args, options=options)
         cubin, ptx = compiled.artifacts.CUBIN, compiled.artifacts.PTX
         if not cubin or not ptx:  # older DSLs only dump the files
             cubin = next(pathlib.Path(dump).glob("*.cubin")).read_bytes()
@@ -201,7 +203,7 @@ def compile_kernel(config: KernelConfig, fingerprint: str, version: str) -> Comp
         "head_tile": config.head_tile,
         "block": list(config.block),
         "cluster": list(config.cluster),
-        "smem_bytes": SMEM_BYTES,
+        "smem_bytes": config.smem_bytes,
         "params": list(PARAMS),
         "arch": ARCH,
         "dsl_version": version,

@@ -70,43 +70,84 @@ class KernelUnavailableError(RuntimeError):
     """No compiled cubin for a config: none shipped or cached, and the DSL is missing."""
 
 
+# ---- the wgmma variant (wgmma_decode.py) -------------------------------------------------
+WG_HEADS = 64  # query heads per CTA: wgmma's M
+WG_THREADS = 256  # two warpgroups: each takes half the keys of S and half the columns of O
+WG_KEYS = 64  # keys per chunk
+WG_ATOM = 128  # bytes per row of a 128-byte-swizzle atom (8 rows)
+WG_STAGES = 2  # FP8 tiles: chunk c + 1 is gathered while chunk c is computed
+WG_TILE = WG_KEYS * ROW  # a gathered FP8 tile: WG_KEYS rows of ROW bytes, unswizzled
+WG_F16_TILE = WG_KEYS * ROW * 2  # WG_KEYS (or WG_HEADS) rows widened to F16: 9 atoms
+assert WG_HEADS == WG_KEYS  # the Q tile and the K tile share one layout
+WG_K_OFFSET = 0  # [WG_STAGES] FP8 tiles (gather targets)
+WG_Q_OFFSET = WG_K_OFFSET + WG_STAGES * WG_TILE  # Q as F16, swizzled K-major
+WG_KF16_OFFSET = WG_Q_OFFSET + WG_F16_TILE  # the chunk's K as F16, swizzled K-major; its
+# first LATENT columns, read MN-major, are V
+WG_P_OFFSET = WG_KF16_OFFSET + WG_F16_TILE  # P [WG_HEADS, WG_KEYS] F16, swizzled K-major
+WG_RED_OFFSET = WG_P_OFFSET + WG_HEADS * WG_KEYS * 2  # [2, WG_HEADS] f32: per-warpgroup
+# row maxima (each chunk), then row sums (the end)
+WG_LIVE_OFFSET = WG_RED_OFFSET + 2 * WG_HEADS * 4  # [WG_STAGES, WG_KEYS] i32: key copied (1)
+WG_SMEM_BYTES = WG_LIVE_OFFSET + WG_STAGES * WG_KEYS * 4
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """A compiled kernel variant: its cubin serves every B, K, cache size and padded H.
+    """A compiled kernel variant: its cubin serves every B, K, cache size and padded H (a
+    multiple of head_tile).
 
     ``head_tile`` heads per cluster of ``split`` CTAs; the launch grid of a call with B rows
     and Hp padded heads is (Hp / head_tile * split, B, 1).
     """
 
     variant: str = "cluster-mma"
-    split: int = 4  # the seed's cluster
+    split: int | None = None  # None: the variant's default (cluster-mma: 4, the seed's)
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
-            raise ValueError(f"KernelConfig.variant must be one of {VARIANTS}, {self.variant=}")
-        if self.split not in SPLITS:
-            raise ValueError(f"KernelConfig.split must be one of {SPLITS}, {self.split=}")
+            raise ValueError(
+                f"KernelConfig.variant must be one of {tuple(VARIANTS)}, {self.variant=}"
+            )
+        if self.split is None:
+            object.__setattr__(self, "split", DEFAULT_SPLITS[self.variant])
+        if self.split not in VARIANTS[self.variant]:
+            raise ValueError(
+                f"KernelConfig.split of {self.variant} must be one of "
+                f"{VARIANTS[self.variant]}, {self.split=}"
+            )
 
     @property
     def slug(self) -> str:
         """File-name stem of this config."""
-        return f"{self.variant}-h{HEADS}-s{self.split}"
+        return f"{self.variant}-h{self.head_tile}-s{self.split}"
 
     @property
     def head_tile(self) -> int:
-        return HEADS
+        return WG_HEADS if self.variant == "wgmma" else HEADS
 
     @property
     def block(self) -> tuple[int, int, int]:
-        return (THREADS, 1, 1)
+        return (WG_THREADS if self.variant == "wgmma" else THREADS, 1, 1)
 
     @property
     def cluster(self) -> tuple[int, int, int]:
         return (self.split, 1, 1)
 
+    @property
+    def smem_bytes(self) -> int:
+        return WG_SMEM_BYTES if self.variant == "wgmma" else SMEM_BYTES
 
-VARIANTS = ("cluster-mma",)
-"""The seed's design: clusters of split CTAs per 16 heads, FP8 mma.sync, DSMEM merge."""
 
-ALL_CONFIGS = tuple(KernelConfig(variant, split) for variant in VARIANTS for split in SPLITS)
+VARIANTS = {
+    # The seed's design: clusters of split CTAs per 16 heads, FP8 mma.sync, DSMEM merge.
+    "cluster-mma": SPLITS,
+    # 64 heads per CTA on warpgroup MMA (F16 on K widened in shared memory, FP32 accumulate).
+    "wgmma": (1,),
+}
+"""Each variant and the splits it compiles."""
+
+DEFAULT_SPLITS = {"cluster-mma": 4, "wgmma": 1}
+
+ALL_CONFIGS = tuple(
+    KernelConfig(variant, split) for variant, splits in VARIANTS.items() for split in splits
+)
 """Every config the package compiles and ships."""

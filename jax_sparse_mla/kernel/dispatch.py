@@ -1,15 +1,18 @@
 """Which compiled kernel config runs a decode call: the dispatch rule, in one place.
 
 The rule sees only static shapes (rows B, padded heads Hp, index width K) and the GPU's SM
-count. It is backed by `benchmarks/bench_decode.py --configs s1 s2 s4 s8` (BENCHMARKS.md,
-2026-11-30, H200): at every benchmarked shape it picks the config that measured fastest or
-one within 0.7 us of it, except where the valid counts are far below K (32-128 keys of
-K = 2048: split 1 would be 0.6-1.8 us faster, but the counts are only known on the GPU).
+count. It is backed by `benchmarks/bench_decode.py --configs s1 s2 s4 s8 wgmma`
+(BENCHMARKS.md, 2026-11-30, H200): at every benchmarked shape it picks the config that
+measured fastest or one within 0.7 us of it, except where the valid counts are far below K
+(32-128 keys of K = 2048: split 1 would be 0.6-1.8 us faster, but the counts are only known
+on the GPU).
 """
 
 from __future__ import annotations
 
 from jax_sparse_mla.kernel.config import CHUNK, HEADS, SPLITS, KernelConfig
+
+WGMMA = KernelConfig("wgmma")
 
 H200_SMS = 132  # assumed when lowering for CUDA without a local GPU (jax.export)
 
@@ -35,13 +38,18 @@ def choose_config(
     - Else one CTA fits per SM, so a grid of B * Hp / 16 * split CTAs runs in waves: the
       largest split whose grid fits one wave (more CTAs per row, each shorter: B=1, H=128,
       2048 keys 13.1 us at split 8, 21.8 at 4; latency-h96 8.8 us at split 4, 12.2 at 1;
-      latency-h128 9.5 us at split 2, 15.9 at 4), and split 1 when even split 1 needs
-      several waves (no merge work: throughput 293 us at split 1, 380 at 4).
+      latency-h128 9.5 us at split 2, 15.9 at 4).
+    - When even split 1 needs several waves: wgmma, whose CTAs take 64 heads (a quarter of
+      the CTAs, each ~1.6x as long per key as a 16-head one: H=128, 2048 keys, B=32 119.5 us
+      vs 147.6 at split 1, throughput 122.6 vs 292.5; at B=16, one wave of split 1, 73.8 vs
+      118.8).
     """
     if width <= CHUNK:
         return KernelConfig(split=min(SPLITS))
     clusters = batch * (padded_heads // HEADS)
-    for split in sorted(SPLITS, reverse=True):
+    if clusters > sm_count:
+        return WGMMA
+    for split in sorted(SPLITS, reverse=True)[:-1]:
         if _fits_one_wave(clusters, split, width, sm_count):
             return KernelConfig(split=split)
     return KernelConfig(split=min(SPLITS))

@@ -50,6 +50,19 @@ def _f32(x, loc, ip) -> ir.Value:
 
 
 @dsl_user_op
+def where_i32(cond, if_true, if_false, *, loc=None, ip=None) -> Int32:
+    """Int32 select (no branch)."""
+    value = arith.select(
+        Boolean(cond).ir_value(loc=loc, ip=ip),
+        _i32(if_true, loc, ip),
+        _i32(if_false, loc, ip),
+        loc=loc,
+        ip=ip,
+    )
+    return Int32(value)
+
+
+@dsl_user_op
 def where(cond, if_true, if_false, *, loc=None, ip=None) -> Float32:
     """Float32 select (no branch)."""
     value = arith.select(
@@ -318,3 +331,105 @@ def push_f32(remote, value, remote_bar, *, loc=None, ip=None) -> None:
     code = "st.async.shared::cluster.mbarrier::complete_tx::bytes.f32 [$0], $1, [$2];"
     operands = [_i32(remote, loc, ip), _f32(value, loc, ip), _i32(remote_bar, loc, ip)]
     _asm(None, operands, code, "r,f,r,~{memory}", True, loc, ip)
+
+
+# ---- the wgmma variant: 16-byte async copies, FP8 widening, warpgroup MMA ----------------
+
+
+@dsl_user_op
+def copy_g2s_16(dst, src, *, loc=None, ip=None) -> None:
+    """cp.async of 16 bytes, global -> shared (L2 only); completes with the thread's group."""
+    code = "cp.async.cg.shared.global [$0], [$1], 16;"
+    _asm(None, [_i32(dst, loc, ip), _i64(src, loc, ip)], code, "r,l,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def copy_commit(*, loc=None, ip=None) -> None:
+    """Close this thread's current group of cp.async copies."""
+    _asm(None, [], "cp.async.commit_group;", "~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def copy_wait(pending: int, *, loc=None, ip=None) -> None:
+    """Wait until at most ``pending`` of this thread's newest cp.async groups are in flight."""
+    _asm(None, [], f"cp.async.wait_group {pending};", "~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def load_shared_v4_u32(addr, *, loc=None, ip=None) -> tuple:
+    """Four words of shared memory (16-byte aligned)."""
+    code = "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];"
+    words = _asm([T.i32()] * 4, [_i32(addr, loc, ip)], code, "=r,=r,=r,=r,r", True, loc, ip)
+    return tuple(Int32(w) for w in words)
+
+
+@dsl_user_op
+def e4m3x4_to_f16(word, *, loc=None, ip=None) -> tuple:
+    """Four E4M3 bytes -> two f16x2 words (exact): bytes 0, 1 in the first, 2, 3 in the second."""
+    code = (
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+        "cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }"
+    )
+    words = _asm([T.i32()] * 2, [_i32(word, loc, ip)], code, "=r,=r,r", False, loc, ip)
+    return tuple(Int32(w) for w in words)
+
+
+@dsl_user_op
+def f16x2(low, high, *, loc=None, ip=None) -> Int32:
+    """F16 (RN) of ``low``, ``high`` packed in one word, ``low`` in the low half."""
+    code = "cvt.rn.f16x2.f32 $0, $2, $1;"
+    operands = [_f32(low, loc, ip), _f32(high, loc, ip)]
+    return Int32(_asm(T.i32(), operands, code, "=r,f,f", False, loc, ip))
+
+
+def smem_descriptor(addr, lbo: int, sbo: int, swizzle: int) -> Int64:
+    """A wgmma shared-memory matrix descriptor: start, leading and stride byte offsets (16-byte
+    units) and the swizzle code (1: 128 B)."""
+    start = Int64((addr & 0x3FFFF) >> 4)
+    return start | Int64(((lbo >> 4) << 16) | ((sbo >> 4) << 32) | (swizzle << 62))
+
+
+@dsl_user_op
+def wgmma_fence(*, loc=None, ip=None) -> None:
+    """Order earlier register and shared-memory accesses before the next wgmma."""
+    _asm(None, [], "wgmma.fence.sync.aligned;", "~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def wgmma_commit(*, loc=None, ip=None) -> None:
+    """Close the warpgroup's current group of wgmma."""
+    _asm(None, [], "wgmma.commit_group.sync.aligned;", "~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def wgmma_wait(pending: int, *, loc=None, ip=None) -> None:
+    """Wait until at most ``pending`` wgmma groups are in flight."""
+    _asm(None, [], f"wgmma.wait_group.sync.aligned {pending};", "~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def pin_f32(values, *, loc=None, ip=None) -> list:
+    """The same floats, through an empty volatile asm: reads after a wgmma_wait and writes
+    before a wgmma_fence stay on their side of it."""
+    n = len(values)
+    constraints = ",".join(["=f"] * n + [str(i) for i in range(n)])
+    operands = [_f32(v, loc, ip) for v in values]
+    return [Float32(v) for v in _asm([T.f32()] * n, operands, "", constraints, True, loc, ip)]
+
+
+@dsl_user_op
+def wgmma_f16_ss(
+    acc, desc_a, desc_b, accumulate: bool, *, transpose_b: bool = False, loc=None, ip=None
+) -> list:
+    """wgmma m64nNk16 F16 x F16 + F32 (N = 2 len(acc)), both operands in shared memory: A
+    K-major, B K-major or (``transpose_b``) MN-major; ``accumulate`` False zeroes acc first."""
+    n = len(acc)
+    outs = ",".join(f"${i}" for i in range(n))
+    code = (
+        f"{{ .reg .pred p; .reg .b32 t; mov.b32 t, {int(accumulate)}; setp.ne.b32 p, t, 0; "
+        f"wgmma.mma_async.sync.aligned.m64n{2 * n}k16.f32.f16.f16 "
+        f"{{{outs}}}, ${n}, ${n + 1}, p, 1, 1, 0, {int(transpose_b)}; }}"
+    )
+    constraints = ",".join(["=f"] * n + ["l", "l"] + [str(i) for i in range(n)])
+    operands = [_i64(desc_a, loc, ip), _i64(desc_b, loc, ip)] + [_f32(v, loc, ip) for v in acc]
+    return [Float32(v) for v in _asm([T.f32()] * n, operands, code, constraints, True, loc, ip)]

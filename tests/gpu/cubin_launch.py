@@ -85,7 +85,7 @@ class CubinKernel:
         meta = self.meta
         heads = sizes[2]
         config = cu.CUlaunchConfig()
-        config.gridDimX = heads // meta["head_tile"] * meta["cluster"][0]
+        config.gridDimX = -(-heads // meta["head_tile"]) * meta["cluster"][0]
         config.gridDimY, config.gridDimZ = batch, 1
         config.blockDimX, config.blockDimY, config.blockDimZ = meta["block"]
         config.sharedMemBytes = meta["smem_bytes"]

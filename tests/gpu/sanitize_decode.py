@@ -1,12 +1,15 @@
 """Kernel launches for compute-sanitizer (memcheck, racecheck, synccheck) via jax.jit.
 
-    compute-sanitizer --tool memcheck --kernel-name regex:SparseDecode \\
-        python3 tests/gpu/sanitize_decode.py
+    compute-sanitizer --tool memcheck --kernel-name kns=jax_sparse_mlakernel \\
+        python3 tests/gpu/sanitize_decode.py [SLUG_PART ...]
 
-Covers every kernel config (cluster split 1, 2, 4, 8), empty rows, counts below 0 and above K,
-out-of-range and boundary rows, duplicates, garbage past each count and rows padded past 576
-bytes, on a small cache so that a stray read would leave it.
+Covers every kernel config (cluster-mma at split 1, 2, 4, 8; wgmma), empty rows, counts
+below 0 and above K, out-of-range and boundary rows, duplicates, garbage past each count and
+rows padded past 576 bytes, on a small cache so that a stray read would leave it. Arguments
+keep only the configs whose slug contains one of them (e.g. ``wgmma``).
 """
+
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -16,8 +19,11 @@ import jax_sparse_mla
 from jax_sparse_mla.kernel.config import ALL_CONFIGS
 
 
-def main() -> None:
-    for config in ALL_CONFIGS:
+def main(parts: list[str]) -> None:
+    chosen = [c for c in ALL_CONFIGS if not parts or any(p in c.slug for p in parts)]
+    if not chosen:
+        raise SystemExit(f"no kernel config matches {parts}")
+    for config in chosen:
         run(config)
 
 
@@ -44,4 +50,4 @@ def run(config) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

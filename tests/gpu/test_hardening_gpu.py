@@ -19,13 +19,10 @@ from test_reference import check_against_truth
 from truth import make_inputs
 
 import jax_sparse_mla
-from jax_sparse_mla.kernel import KernelConfig
-from jax_sparse_mla.kernel.config import SPLITS
+from jax_sparse_mla.kernel.config import ALL_CONFIGS
 
 pytestmark = pytest.mark.gpu
-each_config = pytest.mark.parametrize(
-    "config", [KernelConfig(split=s) for s in SPLITS], ids=lambda c: f"s{c.split}"
-)
+each_config = pytest.mark.parametrize("config", ALL_CONFIGS, ids=lambda c: c.slug)
 
 
 @each_config

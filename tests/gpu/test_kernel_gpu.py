@@ -2,7 +2,7 @@
 
 One cubin per config (shipped in the installed package, cached, or compiled by
 nvidia-cutlass-dsl) serves every shape: B, padded H, K, the cache size and its row pitch W
-arrive at run time. Every config (cluster split 1, 2, 4, 8) runs every shape.
+arrive at run time. Every config (cluster-mma at split 1, 2, 4, 8; wgmma) runs every shape.
 
     python -m pytest -s -m gpu tests/gpu/test_kernel_gpu.py
 
@@ -26,7 +26,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/tr
 from truth import lse_tolerance, make_inputs, truth_decode
 
 from jax_sparse_mla.kernel import KernelConfig, get_kernel
-from jax_sparse_mla.kernel.config import CHUNK, SPLITS
+from jax_sparse_mla.kernel.config import ALL_CONFIGS, CHUNK
 
 WIDTH = 2048
 CACHE_ROWS = 8192
@@ -57,13 +57,13 @@ def _context():
     return _CONTEXT
 
 
-def _kernel(split: int):
+def _kernel(config: KernelConfig):
     from cubin_launch import CubinKernel
 
-    if split not in _KERNELS:
-        compiled = get_kernel(KernelConfig(split=split))
-        _KERNELS[split] = CubinKernel(compiled.cubin, compiled.meta)
-    return _KERNELS[split]
+    if config not in _KERNELS:
+        compiled = get_kernel(config)
+        _KERNELS[config] = CubinKernel(compiled.cubin, compiled.meta)
+    return _KERNELS[config]
 
 
 def _pad_rows(kv, row_bytes: int):
@@ -92,7 +92,7 @@ def make_case(rng, batch, heads, width, counts):
     return q, kv, rows, valid
 
 
-def run_case(shape, counts, seed: int, split: int):
+def run_case(shape, counts, seed: int, config: KernelConfig):
     """Kernel vs truth for one launch; returns (max |err|, max |err| / bound, max LSE err)."""
     from cubin_launch import run_decode
 
@@ -102,7 +102,7 @@ def run_case(shape, counts, seed: int, split: int):
     scale_log2 = SOFTMAX_SCALE * Q_SCALE * KV_SCALE * math.log2(math.e)
     scales = np.array([scale_log2, KV_SCALE], np.float32)
     cache = _pad_rows(kv, row_bytes)
-    bits, lse = run_decode(_context(), _kernel(split), q, cache, rows, valid, scales)
+    bits, lse = run_decode(_context(), _kernel(config), q, cache, rows, valid, scales)
     latent = (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
     want, want_lse, bound = truth_decode(
         q, kv, rows, valid, softmax_scale=SOFTMAX_SCALE, q_scale=Q_SCALE, kv_scale=KV_SCALE
@@ -125,14 +125,14 @@ def _launches(batch: int):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("split", SPLITS, ids=lambda s: f"s{s}")
+@pytest.mark.parametrize("config", ALL_CONFIGS, ids=lambda c: c.slug)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "b{}-h{}-k{}-w{}".format(*s))
-def test_kernel_matches_truth(shape, split):
+def test_kernel_matches_truth(shape, config):
     worst = (0.0, 0.0, 0.0)
     for i, counts in enumerate(_launches(shape[0])):
-        result = run_case(shape, counts, seed=sum(shape) % 1000 + i, split=split)
+        result = run_case(shape, counts, seed=sum(shape) % 1000 + i, config=config)
         worst = tuple(max(a, b) for a, b in zip(worst, result, strict=True))
     print(
-        "\ns{} b{}-h{}-k{}-w{}".format(split, *shape)
+        "\n{} b{}-h{}-k{}-w{}".format(config.slug, *shape)
         + f": max|err| {worst[0]:.3e}  max err/bound {worst[1]:.3f}  max|lse err| {worst[2]:.3e}"
     )
