@@ -5,7 +5,7 @@ SASS (cuobjdump from the nvidia-cuda-cuobjdump wheel): cluster-mma's tensor-core
 E4M3 widened by F2FP), bulk copies (UBLKCP), cluster stores (STAS, none at split 1), registers
 within 128 (512 threads); wgmma's F16 HGMMA (QK and PV from shared memory, V read
 transposed), issued back to back (one warpgroup arrive per group, not one per MMA),
-16-byte cp.async gathers (LDGSTS); no local-memory spills (LDL/STL) anywhere; and the disk
+16-byte register gathers (LDG.E.128); no local-memory spills (LDL/STL) anywhere; and the disk
 cache / AOT command.
 """
 
@@ -103,7 +103,7 @@ def test_sass(cubin_path, config):
         assert "HMMA" not in counts and "QGMMA" not in counts
         # One arrive and one wait per group (QK, PV): ptxas did not serialise the wgmmas.
         assert counts.get("WARPGROUP", 0) == 4, counts.get("WARPGROUP")
-        assert counts.get("LDGSTS", 0) >= 1  # 16-byte cp.async gathers
+        assert "LDG.E.128" in sass and "LDGSTS" not in counts  # gathers through registers
         assert len(re.findall(r"HGMMA\.64x32x16\.F32 R\d+, gdesc\[UR\d+\]", sass)) == 36
         # PV: B (V) read MN-major from shared memory.
         assert len(re.findall(r"HGMMA\.64x256x16\.F32 R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 4

@@ -75,18 +75,16 @@ WG_HEADS = 64  # query heads per CTA: wgmma's M
 WG_THREADS = 256  # two warpgroups: each takes half the keys of S and half the columns of O
 WG_KEYS = 64  # keys per chunk
 WG_ATOM = 128  # bytes per row of a 128-byte-swizzle atom (8 rows)
-WG_STAGES = 2  # FP8 tiles: chunk c + 1 is gathered while chunk c is computed
-WG_TILE = WG_KEYS * ROW  # a gathered FP8 tile: WG_KEYS rows of ROW bytes, unswizzled
-WG_F16_TILE = WG_KEYS * ROW * 2  # WG_KEYS (or WG_HEADS) rows widened to F16: 9 atoms
-assert WG_HEADS == WG_KEYS  # the Q tile and the K tile share one layout
-WG_K_OFFSET = 0  # [WG_STAGES] FP8 tiles (gather targets)
-WG_Q_OFFSET = WG_K_OFFSET + WG_STAGES * WG_TILE  # Q as F16, swizzled K-major
-WG_KF16_OFFSET = WG_Q_OFFSET + WG_F16_TILE  # the chunk's K as F16, swizzled K-major; its
-# first LATENT columns, read MN-major, are V
-WG_P_OFFSET = WG_KF16_OFFSET + WG_F16_TILE  # P [WG_HEADS, WG_KEYS] F16, swizzled K-major
+WG_STAGES = 2  # F16 K tiles: chunk c + 1 is widened in while chunk c is computed
+WG_F16_TILE = WG_KEYS * ROW * 2  # WG_KEYS (or WG_HEADS) rows as F16: 9 atoms of 64 columns
+assert WG_HEADS == WG_KEYS  # the Q tile and the K tiles share one layout
+WG_Q_OFFSET = 0  # Q as F16, swizzled K-major
+WG_K_OFFSET = WG_Q_OFFSET + WG_F16_TILE  # [WG_STAGES] K as F16, swizzled K-major; the first
+# LATENT columns, read MN-major, are V
+WG_P_OFFSET = WG_K_OFFSET + WG_STAGES * WG_F16_TILE  # P [WG_HEADS, WG_KEYS] F16, K-major
 WG_RED_OFFSET = WG_P_OFFSET + WG_HEADS * WG_KEYS * 2  # [2, WG_HEADS] f32: per-warpgroup
 # row maxima (each chunk), then row sums (the end)
-WG_LIVE_OFFSET = WG_RED_OFFSET + 2 * WG_HEADS * 4  # [WG_STAGES, WG_KEYS] i32: key copied (1)
+WG_LIVE_OFFSET = WG_RED_OFFSET + 2 * WG_HEADS * 4  # [WG_STAGES, WG_KEYS] i32: key read (1)
 WG_SMEM_BYTES = WG_LIVE_OFFSET + WG_STAGES * WG_KEYS * 4
 
 

@@ -333,34 +333,7 @@ def push_f32(remote, value, remote_bar, *, loc=None, ip=None) -> None:
     _asm(None, operands, code, "r,f,r,~{memory}", True, loc, ip)
 
 
-# ---- the wgmma variant: 16-byte async copies, FP8 widening, warpgroup MMA ----------------
-
-
-@dsl_user_op
-def copy_g2s_16(dst, src, *, loc=None, ip=None) -> None:
-    """cp.async of 16 bytes, global -> shared (L2 only); completes with the thread's group."""
-    code = "cp.async.cg.shared.global [$0], [$1], 16;"
-    _asm(None, [_i32(dst, loc, ip), _i64(src, loc, ip)], code, "r,l,~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def copy_commit(*, loc=None, ip=None) -> None:
-    """Close this thread's current group of cp.async copies."""
-    _asm(None, [], "cp.async.commit_group;", "~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def copy_wait(pending: int, *, loc=None, ip=None) -> None:
-    """Wait until at most ``pending`` of this thread's newest cp.async groups are in flight."""
-    _asm(None, [], f"cp.async.wait_group {pending};", "~{memory}", True, loc, ip)
-
-
-@dsl_user_op
-def load_shared_v4_u32(addr, *, loc=None, ip=None) -> tuple:
-    """Four words of shared memory (16-byte aligned)."""
-    code = "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];"
-    words = _asm([T.i32()] * 4, [_i32(addr, loc, ip)], code, "=r,=r,=r,=r,r", True, loc, ip)
-    return tuple(Int32(w) for w in words)
+# ---- the wgmma variant: FP8 widening, warpgroup MMA ---------------------------------------
 
 
 @dsl_user_op

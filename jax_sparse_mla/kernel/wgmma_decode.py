@@ -1,9 +1,9 @@
 """Sparse MLA decode on warpgroup MMA (wgmma) for Hopper (sm_90a), in CuTe DSL.
 
 The throughput variant: one CTA per (64 heads, row b), two warpgroups. Per chunk of WG_KEYS
-keys the 256 threads gather the cache rows with 16-byte cp.async into an FP8 tile (WG_STAGES
-tiles: the chunks ahead are in flight while chunk c is computed), then widen it to F16
-(exact: E4M3 is a subset of F16) in a 128-byte-swizzled K-major tile. Warpgroup g computes
+keys the 256 threads load the cache rows with 16-byte loads into registers a chunk ahead,
+and widen them to F16 (exact: E4M3 is a subset of F16) into one of WG_STAGES 128-byte-
+swizzled K-major tiles while the tensor cores compute S of the chunk before. Warpgroup g computes
 S = Q K^T for all 64 heads and keys 32 g .. 32 g + 31 (wgmma m64n32k16 F16 -> FP32, both
 operands in shared memory, Q widened once); the two exchange their row maxima through shared
 memory, so both scale P by the same running max (online softmax in log2 units, FP32), and
@@ -36,10 +36,10 @@ from jax_sparse_mla.kernel.config import (
     LN2,
     ROW,
     WG_ATOM,
+    WG_F16_TILE,
     WG_HEADS,
     WG_K_OFFSET,
     WG_KEYS,
-    WG_KF16_OFFSET,
     WG_LIVE_OFFSET,
     WG_P_OFFSET,
     WG_Q_OFFSET,
@@ -47,12 +47,12 @@ from jax_sparse_mla.kernel.config import (
     WG_SMEM_BYTES,
     WG_STAGES,
     WG_THREADS,
-    WG_TILE,
 )
 
 PIECES = ROW // 16  # 16-byte pieces of an FP8 row
 K_STEPS = ROW // 16  # QK's k16 steps
 COPIERS = WG_THREADS // WG_KEYS  # threads per gathered row
+MINE = PIECES // COPIERS  # 16-byte pieces per thread and chunk: piece sub + COPIERS i
 WG_COLS = LATENT // 2  # latent columns per warpgroup
 WG_SPAN = WG_KEYS // 2  # keys of S per warpgroup
 S_VALUES = WG_SPAN // 2  # S accumulators per thread (m64n32)
@@ -125,8 +125,7 @@ class WgmmaDecode:
     ):
         smem = cutlass.memory.SmemAllocator()
         base = smem.allocate(WG_SMEM_BYTES, 1024).toint()
-        sK, sQ = base + WG_K_OFFSET, base + WG_Q_OFFSET
-        sK16, sLive = base + WG_KF16_OFFSET, base + WG_LIVE_OFFSET
+        sQ, sK, sLive = base + WG_Q_OFFSET, base + WG_K_OFFSET, base + WG_LIVE_OFFSET
         sP, sRed = base + WG_P_OFFSET, base + WG_RED_OFFSET
 
         tid, _, _ = cute.arch.thread_idx()
@@ -141,20 +140,30 @@ class WgmmaDecode:
         rows_base = mRows.toint() + Int64(b) * width * 4
         n = ptx.load_global_i32(mValid.toint() + Int64(b) * 4)
         n = max(min(n, width), Int32(0))
-        # Row indices are loaded a chunk ahead of their gather: a gather never waits on one.
-        for c in cutlass.range_constexpr(WG_STAGES):
-            row = self.load_row(rows_base, n, c, tid)
-            self.gather(mKV, sK + c * WG_TILE, sLive + c * WG_KEYS * 4, row, n_rows, row_bytes, tid)
-        row = self.load_row(rows_base, n, WG_STAGES, tid)
+        chunks = (n + WG_KEYS - 1) // WG_KEYS
+        # This thread's pieces of its key of the next chunk, loaded a chunk ahead of their
+        # widening; row indices are loaded a chunk ahead of those loads.
+        staged = cute.make_rmem_tensor((MINE * 4,), Int32)
+        row = self.load_row(rows_base, n, 0, tid)
+        live = self.fetch(mKV, row, n_rows, row_bytes, staged, tid)
+        row = self.load_row(rows_base, n, 1, tid)
         # The last tile may be partial (Hp a multiple of 16): missing heads get a zero Q row
         # (their S is 0, their output is not written).
         q_base = mQ.toint() + Int64(b) * heads * ROW
+        q_words = []
         for i in cutlass.range_constexpr(WG_HEADS * PIECES // WG_THREADS):
             flat = tid + WG_THREADS * i
             head = tile * WG_HEADS + flat // PIECES
             src = q_base + (Int64(min(head, heads - 1)) * PIECES + flat % PIECES) * 16
-            self.widen_piece(ptx.load_global_v4(src), head < heads, sQ, flat)
-        ptx.fence_proxy_async_shared()  # the Q tile is read by wgmma
+            q_words.append(ptx.load_global_v4(src))
+        for i in cutlass.range_constexpr(WG_HEADS * PIECES // WG_THREADS):
+            flat = tid + WG_THREADS * i
+            head = tile * WG_HEADS + flat // PIECES
+            self.widen_piece(q_words[i], head < heads, sQ, flat // PIECES, flat % PIECES)
+        self.widen(staged, live, sK, sLive, tid)  # chunk 0
+        live = self.fetch(mKV, row, n_rows, row_bytes, staged, tid)  # chunk 1
+        row = self.load_row(rows_base, n, 2, tid)
+        ptx.fence_proxy_async_shared()  # Q and chunk 0 are read by wgmma
         scale_log2 = ptx.load_global_f32(mScales.toint())
 
         m_run = cute.make_rmem_tensor((2,), Float32)  # rows 16 warp + lane / 4 (+ 8)
@@ -163,29 +172,21 @@ class WgmmaDecode:
         l_part.fill(0.0)
         acc = cute.make_rmem_tensor((O_VALUES,), Float32)
         acc.fill(0.0)
-        chunks = (n + WG_KEYS - 1) // WG_KEYS
         for c in cutlass.range(0, chunks, unroll=1):
             stage = c % WG_STAGES
-            sKc, sLivec = sK + stage * WG_TILE, sLive + stage * (WG_KEYS * 4)
-            ptx.copy_wait(WG_STAGES - 1)  # this thread's copies of chunk c
-            cute.arch.sync_threads()  # chunk c gathered; chunk c - 1's wgmmas done with sK16
-
-            self.widen(sKc, sLivec, sK16, tid)
-            # This thread's keys' flags: the gather of chunk c + WG_STAGES reuses sLivec.
+            sKc, sLivec = sK + stage * WG_F16_TILE, sLive + stage * (WG_KEYS * 4)
+            # Chunk c widened by all threads; chunk c - 1's wgmmas are done with the other tile.
+            cute.arch.sync_threads()
             # S value v belongs to key 32 group + 8 (v / 4) + 2 quad + v % 2: bit 2 (v / 4) + v % 2.
             live_bits = Int32(0)
             for i in cutlass.range_constexpr(S_VALUES // 2):
                 key = WG_SPAN * group + 8 * (i // 2) + 2 * quad + i % 2
                 live_bits = live_bits | (ptx.load_shared_u32(sLivec + 4 * key) << i)
-            ptx.fence_proxy_async_shared()  # the F16 tile is read by wgmma
-            cute.arch.sync_threads()  # F16 tile complete; FP8 tile c free
-            self.gather(mKV, sKc, sLivec, row, n_rows, row_bytes, tid)  # chunk c + WG_STAGES
-            row = self.load_row(rows_base, n, c + WG_STAGES + 1, tid)
 
-            # ---- S = Q K^T for this warpgroup's keys --------------------------------------
+            # ---- S = Q K^T for this warpgroup's keys (async), while chunk c + 1 is widened --
             ptx.wgmma_fence()
             s = [Float32(0.0)] * S_VALUES
-            keys16 = sK16 + group * (WG_SPAN // 8) * (8 * WG_ATOM)
+            keys16 = sKc + group * (WG_SPAN // 8) * (8 * WG_ATOM)
             for k in cutlass.range_constexpr(K_STEPS):
                 offset = (k // 4) * ATOM_SPAN + (k % 4) * 32
                 s = ptx.wgmma_f16_ss(
@@ -195,6 +196,14 @@ class WgmmaDecode:
                     k > 0,
                 )
             ptx.wgmma_commit()
+            if c + 1 < chunks:
+                other = (c + 1) % WG_STAGES
+                self.widen(
+                    staged, live, sK + other * WG_F16_TILE, sLive + other * (WG_KEYS * 4), tid
+                )
+                ptx.fence_proxy_async_shared()  # chunk c + 1 is read by wgmma
+                live = self.fetch(mKV, row, n_rows, row_bytes, staged, tid)  # chunk c + 2
+                row = self.load_row(rows_base, n, c + 3, tid)
             ptx.wgmma_wait(0)
             s = ptx.pin_f32(s)
 
@@ -247,7 +256,7 @@ class WgmmaDecode:
             o = ptx.pin_f32([acc[v] for v in range(O_VALUES)])
             ptx.wgmma_fence()
             for j in cutlass.range_constexpr(WG_KEYS // 16):
-                v_tile = sK16 + group * (WG_COLS // 64) * ATOM_SPAN + j * 16 * WG_ATOM
+                v_tile = sKc + group * (WG_COLS // 64) * ATOM_SPAN + j * 16 * WG_ATOM
                 o = ptx.wgmma_f16_ss(
                     o,
                     ptx.smem_descriptor(sP + 32 * j, 16, 8 * WG_ATOM, SWIZZLE_128B),
@@ -274,42 +283,39 @@ class WgmmaDecode:
         return row
 
     @cute.jit
-    def gather(self, mKV: cute.Pointer, sKc, sLivec, row, n_rows, row_bytes, tid):
-        """Cache row ``row`` (this thread's key of a chunk) into the FP8 tile sKc (COPIERS
-        threads per key, one cp.async group per thread, committed even when empty) and the
-        key's live flag into sLivec."""
-        key, sub = tid // COPIERS, tid % COPIERS
+    def fetch(self, mKV: cute.Pointer, row, n_rows, row_bytes, staged, tid):
+        """Start loading this thread's MINE pieces of cache row ``row`` into ``staged``
+        (nothing for a row outside [0, n_rows)); returns whether the row is live."""
         live = (row >= 0) & (row < n_rows)
         if live:
             src = mKV.toint() + Int64(row) * row_bytes
-            for i in cutlass.range_constexpr(PIECES // COPIERS):
-                piece = sub + COPIERS * i
-                ptx.copy_g2s_16(sKc + key * ROW + 16 * piece, src + 16 * piece)
+            for i in cutlass.range_constexpr(MINE):
+                piece = tid % COPIERS + COPIERS * i
+                words = ptx.load_global_v4(src + 16 * piece)
+                for e in cutlass.range_constexpr(4):
+                    staged[4 * i + e] = words[e]
+        return live
+
+    @cute.jit
+    def widen(self, staged, live, sKc, sLivec, tid):
+        """The staged pieces as F16 into the K tile sKc (zeros for a dead key: its registers
+        are stale, and P = 0 must not meet a NaN), and the key's live flag into sLivec."""
+        key, sub = tid // COPIERS, tid % COPIERS
+        for i in cutlass.range_constexpr(MINE):
+            words = tuple(staged[4 * i + e] for e in range(4))
+            self.widen_piece(words, live, sKc, key, sub + COPIERS * i)
         if sub == 0:
             ptx.store_shared_u32(sLivec + 4 * key, Int32(live))
-        ptx.copy_commit()
 
     @cute.jit
-    def widen(self, sKc, sLivec, sK16, tid):
-        """The chunk's FP8 tile as F16 into sK16; zero rows for dead keys (their bytes are
-        stale or garbage, and P = 0 must not meet a NaN)."""
-        for i in cutlass.range_constexpr(WG_KEYS * PIECES // WG_THREADS):
-            flat = tid + WG_THREADS * i
-            key = flat // PIECES
-            alive = ptx.load_shared_u32(sLivec + 4 * key) != 0
-            raw = ptx.load_shared_v4_u32(sKc + flat * 16)
-            self.widen_piece(raw, alive, sK16, flat)
-
-    @cute.jit
-    def widen_piece(self, raw, keep, tile16, flat):
-        """16 E4M3 bytes (piece flat % PIECES of row flat // PIECES) as 16 F16 values into the
-        F16 tile; zeros unless ``keep``."""
+    def widen_piece(self, raw, keep, tile16, row, piece):
+        """16 E4M3 bytes (piece ``piece`` of row ``row``) as 16 F16 values into an F16 tile;
+        zeros unless ``keep``."""
         halves = []
         for e in cutlass.range_constexpr(4):
             halves.extend(ptx.e4m3x4_to_f16(ptx.where_i32(keep, raw[e], 0)))
-        row, column = flat // PIECES, 16 * (flat % PIECES)
         for e in cutlass.range_constexpr(2):
-            dst = tile16 + f16_offset(row, column + 8 * e)
+            dst = tile16 + f16_offset(row, 16 * piece + 8 * e)
             ptx.store_shared_v4(dst, *halves[4 * e : 4 * e + 4])
 
     @cute.jit
