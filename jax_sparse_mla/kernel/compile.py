@@ -188,7 +188,7 @@ def compile_kernel(config: KernelConfig, fingerprint: str, version: str) -> Comp
     )
     with tempfile.TemporaryDirectory(prefix="jax_sparse_mla-") as dump:
         options = f"--gpu-arch {ARCH} --keep-cubin --keep-ptx --dump-dir {dump}"
-        compiled = cute.compile(kernel_class(config.split), *args, options=options)
+        compiled = cute.compile(kernel_class(config), *args, options=options)
         cubin, ptx = compiled.artifacts.CUBIN, compiled.artifacts.PTX
         if not cubin or not ptx:  # older DSLs only dump the files
             cubin = next(pathlib.Path(dump).glob("*.cubin")).read_bytes()

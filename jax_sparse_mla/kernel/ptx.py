@@ -49,30 +49,27 @@ def _f32(x, loc, ip) -> ir.Value:
 # ---- selection ---------------------------------------------------------------------------
 
 
-@dsl_user_op
-def where_i32(cond, if_true, if_false, *, loc=None, ip=None) -> Int32:
-    """Int32 select (no branch)."""
+def _select(kind, cond, if_true, if_false, loc, ip):
     value = arith.select(
         Boolean(cond).ir_value(loc=loc, ip=ip),
-        _i32(if_true, loc, ip),
-        _i32(if_false, loc, ip),
+        kind(if_true).ir_value(loc=loc, ip=ip),
+        kind(if_false).ir_value(loc=loc, ip=ip),
         loc=loc,
         ip=ip,
     )
-    return Int32(value)
+    return kind(value)
 
 
 @dsl_user_op
 def where(cond, if_true, if_false, *, loc=None, ip=None) -> Float32:
     """Float32 select (no branch)."""
-    value = arith.select(
-        Boolean(cond).ir_value(loc=loc, ip=ip),
-        _f32(if_true, loc, ip),
-        _f32(if_false, loc, ip),
-        loc=loc,
-        ip=ip,
-    )
-    return Float32(value)
+    return _select(Float32, cond, if_true, if_false, loc, ip)
+
+
+@dsl_user_op
+def where_i32(cond, if_true, if_false, *, loc=None, ip=None) -> Int32:
+    """Int32 select (no branch)."""
+    return _select(Int32, cond, if_true, if_false, loc, ip)
 
 
 # ---- global memory -----------------------------------------------------------------------

@@ -54,8 +54,10 @@ from jax_sparse_mla.kernel.config import (
     STATS_OFFSET,
     THREADS,
     WARPS,
+    KernelConfig,
     inbound_bytes,
 )
+from jax_sparse_mla.kernel.entry import DecodeKernel
 
 assert QK_WARPS == WARPS == HEADS and CHUNK % 32 == 0 and SLOTS <= 32
 QUERY_STEPS = -(-HEADS * (ROW // 16) // THREADS)  # 16-byte query pieces per thread
@@ -73,11 +75,12 @@ def transpose4(w):
     )
 
 
-class SparseDecode:
+class SparseDecode(DecodeKernel):
     """Sparse decode of B rows x Hp heads over rows [B, K] (grid: Hp / HEADS * split, B)."""
 
-    def __init__(self, split: int):
-        self.split = split
+    def __init__(self, config: KernelConfig):
+        super().__init__(config)
+        split = config.split
         # split 1 has no peers: its partial stays in its own shared memory (no DSMEM).
         self.clustered = split > 1
         self.cols = LATENT // split  # latent columns each CTA merges
@@ -85,33 +88,6 @@ class SparseDecode:
         self.per_lane = self.cols // 32
         self.piece = min(self.per_lane, 4)
         assert self.cols % 32 == 0 and self.per_lane % self.piece == 0 and self.piece % 2 == 0
-
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Pointer,
-        mKV: cute.Pointer,
-        mRows: cute.Pointer,
-        mValid: cute.Pointer,
-        mScales: cute.Pointer,
-        mLatent: cute.Pointer,
-        mLse: cute.Pointer,
-        n_rows: Int32,
-        width: Int32,
-        heads: Int32,
-        row_bytes: Int32,
-    ):
-        # The launch here only serves compilation; the FFI handler launches the cubin with the
-        # grid of the call's shapes.
-        self.kernel(
-            mQ, mKV, mRows, mValid, mScales, mLatent, mLse, n_rows, width, heads, row_bytes
-        ).launch(
-            grid=(heads // HEADS * self.split, 1, 1),
-            block=(THREADS, 1, 1),
-            cluster=(self.split, 1, 1),
-            smem=SMEM_BYTES,
-            use_pdl=True,
-        )
 
     @cute.kernel
     def kernel(

@@ -48,6 +48,7 @@ from jax_sparse_mla.kernel.config import (
     WG_STAGES,
     WG_THREADS,
 )
+from jax_sparse_mla.kernel.entry import DecodeKernel
 
 PIECES = ROW // 16  # 16-byte pieces of an FP8 row
 K_STEPS = ROW // 16  # QK's k16 steps
@@ -75,38 +76,8 @@ def f16_offset(row, column):
     )
 
 
-class WgmmaDecode:
+class WgmmaDecode(DecodeKernel):
     """Sparse decode of B rows x Hp heads over rows [B, K] (grid: ceil(Hp / WG_HEADS), B)."""
-
-    def __init__(self, split: int):
-        assert split == 1
-        self.split = split
-
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Pointer,
-        mKV: cute.Pointer,
-        mRows: cute.Pointer,
-        mValid: cute.Pointer,
-        mScales: cute.Pointer,
-        mLatent: cute.Pointer,
-        mLse: cute.Pointer,
-        n_rows: Int32,
-        width: Int32,
-        heads: Int32,
-        row_bytes: Int32,
-    ):
-        # The launch here only serves compilation; the FFI handler launches the cubin.
-        self.kernel(
-            mQ, mKV, mRows, mValid, mScales, mLatent, mLse, n_rows, width, heads, row_bytes
-        ).launch(
-            grid=((heads + WG_HEADS - 1) // WG_HEADS, 1, 1),
-            block=(WG_THREADS, 1, 1),
-            cluster=(1, 1, 1),
-            smem=WG_SMEM_BYTES,
-            use_pdl=True,
-        )
 
     @cute.kernel
     def kernel(

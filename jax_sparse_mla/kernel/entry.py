@@ -1,0 +1,47 @@
+"""The compile-time entry shared by the decode kernels: the cubin ABI (PARAMS in config.py).
+
+The FFI handler launches the compiled cubin with the grid of each call's shapes; the launch
+here only serves compilation (it fixes the block, cluster and shared memory of the config).
+"""
+
+from __future__ import annotations
+
+import cutlass.cute as cute
+from cutlass import Int32
+
+from jax_sparse_mla.kernel.config import KernelConfig
+
+
+class DecodeKernel:
+    """Base of a kernel variant: subclasses define ``kernel`` with the ABI's parameters."""
+
+    def __init__(self, config: KernelConfig):
+        self.config = config
+        self.split = config.split
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Pointer,
+        mKV: cute.Pointer,
+        mRows: cute.Pointer,
+        mValid: cute.Pointer,
+        mScales: cute.Pointer,
+        mLatent: cute.Pointer,
+        mLse: cute.Pointer,
+        n_rows: Int32,
+        width: Int32,
+        heads: Int32,
+        row_bytes: Int32,
+    ):
+        config = self.config
+        tiles = (heads + config.head_tile - 1) // config.head_tile
+        self.kernel(
+            mQ, mKV, mRows, mValid, mScales, mLatent, mLse, n_rows, width, heads, row_bytes
+        ).launch(
+            grid=(tiles * config.split, 1, 1),
+            block=config.block,
+            cluster=config.cluster,
+            smem=config.smem_bytes,
+            use_pdl=True,
+        )
