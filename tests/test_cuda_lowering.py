@@ -173,6 +173,13 @@ def test_dispatch_rule_uses_the_sm_count():
     assert dispatch.choose_config(70, 32, 2048, sm_count=132).variant == "wgmma"  # 140 CTAs
 
 
+def test_dispatch_keeps_split_1_where_wgmma_would_pad_small_heads():
+    # 133 x 16 heads: two waves of split 1 (2 x 16 chunks) or two waves of 64-head tiles
+    # that are three quarters padding (2 x 32 wgmma chunks): split 1.
+    assert dispatch.choose_config(133, 16, 2048) == KernelConfig(split=1)
+    assert dispatch.choose_config(133, 64, 2048).variant == "wgmma"  # 532 vs 133 CTAs
+
+
 @pytest.mark.parametrize("split", [1, 2, 4, 8])
 def test_kernel_config_forces_a_config(fake_kernel, split):
     args = _args(batch=64, heads=128, width=8)  # the rule would take split 1

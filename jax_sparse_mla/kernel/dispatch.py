@@ -10,11 +10,21 @@ on the GPU).
 
 from __future__ import annotations
 
-from jax_sparse_mla.kernel.config import CHUNK, HEADS, SPLITS, KernelConfig
+from jax_sparse_mla.kernel.config import CHUNK, HEADS, SPLITS, WG_HEADS, WG_KEYS, KernelConfig
 
 WGMMA = KernelConfig("wgmma")
 
 H200_SMS = 132  # assumed when lowering for CUDA without a local GPU (jax.export)
+
+# Per-CTA costs fitted to the H200 runs (BENCHMARKS.md, session 5), in us: a cluster-mma CTA
+# at split 1 spends ~4.6 per 128-key chunk (B = 16, H = 128, 2048 keys: 73.7 = 16 x 4.6);
+# a wgmma CTA ~3.1 per 64-key chunk plus ~6 (18.6 at 256 keys, 104.4 at 2048).
+_MMA_CHUNK_US = 4.6
+_WGMMA_CHUNK_US, _WGMMA_FIXED_US = 3.1, 6.0
+
+
+def _waves(ctas: int, sm_count: int) -> int:
+    return -(-ctas // sm_count)
 
 
 def _fits_one_wave(clusters: int, split: int, width: int, sm_count: int) -> bool:
@@ -39,16 +49,22 @@ def choose_config(
       largest split whose grid fits one wave (more CTAs per row, each shorter: B=1, H=128,
       2048 keys 13.1 us at split 8, 21.8 at 4; latency-h96 8.8 us at split 4, 12.2 at 1;
       latency-h128 9.5 us at split 2, 15.9 at 4).
-    - When even split 1 needs several waves: wgmma, whose CTAs take 64 heads (a quarter of
-      the CTAs, each ~1.6x as long per key as a 16-head one: H=128, 2048 keys, B=32 119.5 us
-      vs 147.6 at split 1, throughput 122.6 vs 292.5; at B=16, one wave of split 1, 73.8 vs
-      118.8).
+    - When even split 1 needs several waves: wgmma if its waves of 64-head CTAs (a quarter
+      of the CTAs, each ~1.3x as long per key) take less time than split 1's, by the fitted
+      per-CTA costs above (H = 128, 2048 keys: B = 32 114.4 us vs 147.3 at split 1,
+      throughput 117.4 vs 292.3; at B = 16, one wave of split 1, 73.7 vs 106.0). Small H
+      pads a 64-head tile: B = 133, H = 16 stays on split 1 (two waves either way).
     """
     if width <= CHUNK:
         return KernelConfig(split=min(SPLITS))
     clusters = batch * (padded_heads // HEADS)
     if clusters > sm_count:
-        return WGMMA
+        split1_us = _waves(clusters, sm_count) * -(-width // CHUNK) * _MMA_CHUNK_US
+        tiles = batch * -(-padded_heads // WG_HEADS)
+        per_cta = -(-width // WG_KEYS) * _WGMMA_CHUNK_US + _WGMMA_FIXED_US
+        if _waves(tiles, sm_count) * per_cta < split1_us:
+            return WGMMA
+        return KernelConfig(split=min(SPLITS))
     for split in sorted(SPLITS, reverse=True)[:-1]:
         if _fits_one_wave(clusters, split, width, sm_count):
             return KernelConfig(split=split)
