@@ -17,6 +17,13 @@ def make_inputs(rng, batch, heads, cache_rows, width, *, scale=1.0):
     return q, kv, rows
 
 
+def live_rows(rows, valid, b: int, cache_rows: int) -> list[int]:
+    """Row b's keys that a decode reads: the first valid[b] (clamped to [0, K]) slots whose
+    row is inside [0, cache_rows), duplicates kept."""
+    slots = rows[b, : max(0, min(int(valid[b]), rows.shape[1]))]
+    return [int(r) for r in slots if 0 <= r < cache_rows]
+
+
 def truth_decode(q, kv, rows, valid, *, softmax_scale, q_scale=1.0, kv_scale=1.0):
     """Exact softmax attention in float64 over each row's live keys.
 
@@ -28,14 +35,13 @@ def truth_decode(q, kv, rows, valid, *, softmax_scale, q_scale=1.0, kv_scale=1.0
     kv = np.asarray(kv).astype(np.float64).reshape(-1, 576)
     rows, valid = np.asarray(rows), np.asarray(valid)
     batch, heads, _ = q.shape
-    cache_rows, width = kv.shape[0], rows.shape[1]
+    cache_rows = kv.shape[0]
     scale = softmax_scale * q_scale * kv_scale
     latent = np.zeros((batch, heads, LATENT))
     lse = np.full((batch, heads), -np.inf)
     bound = np.zeros((batch, heads, LATENT))
     for b in range(batch):
-        live = [int(r) for r in rows[b, : max(0, min(int(valid[b]), width))]]
-        live = [r for r in live if 0 <= r < cache_rows]
+        live = live_rows(rows, valid, b, cache_rows)
         if not live:
             continue
         keys = kv[live]  # [n, 576]
@@ -61,8 +67,7 @@ def logit_magnitude(q, kv, rows, valid, *, softmax_scale, q_scale=1.0, kv_scale=
     scale = abs(softmax_scale * q_scale * kv_scale)
     magnitude = np.zeros(q.shape[:2])
     for b in range(q.shape[0]):
-        live = [int(r) for r in rows[b, : max(0, min(int(valid[b]), rows.shape[1]))]]
-        live = [r for r in live if 0 <= r < kv.shape[0]]
+        live = live_rows(rows, valid, b, kv.shape[0])
         if live:
             magnitude[b] = (q[b] @ kv[live].T).max(axis=1) * scale
     return magnitude

@@ -120,11 +120,11 @@ class KernelConfig:
 
     @property
     def head_tile(self) -> int:
-        return WG_HEADS if self.variant == "wgmma" else HEADS
+        return _LAUNCH[self.variant][0]
 
     @property
     def block(self) -> tuple[int, int, int]:
-        return (WG_THREADS if self.variant == "wgmma" else THREADS, 1, 1)
+        return (_LAUNCH[self.variant][1], 1, 1)
 
     @property
     def cluster(self) -> tuple[int, int, int]:
@@ -132,7 +132,7 @@ class KernelConfig:
 
     @property
     def smem_bytes(self) -> int:
-        return WG_SMEM_BYTES if self.variant == "wgmma" else SMEM_BYTES
+        return _LAUNCH[self.variant][2]
 
 
 VARIANTS = {
@@ -144,6 +144,12 @@ VARIANTS = {
 """Each variant and the splits it compiles."""
 
 DEFAULT_SPLITS = {"cluster-mma": 4, "wgmma": 1}
+
+# Each variant's launch: heads per CTA (per cluster for cluster-mma), threads, shared memory.
+_LAUNCH = {
+    "cluster-mma": (HEADS, THREADS, SMEM_BYTES),
+    "wgmma": (WG_HEADS, WG_THREADS, WG_SMEM_BYTES),
+}
 
 ALL_CONFIGS = tuple(
     KernelConfig(variant, split) for variant, splits in VARIANTS.items() for split in splits
