@@ -70,7 +70,7 @@ def _max_diffs(got, want) -> tuple[float, float]:
 
 
 _CONFIG_NAMES = {
-    (f"s{c.split}" if c.variant == "cluster-mma" else c.variant): c for c in ALL_CONFIGS
+    (f"s{c.split}" if c.variant == "cluster-mma" else f"wgmma{c.split}"): c for c in ALL_CONFIGS
 }
 
 
@@ -226,7 +226,7 @@ def main() -> int:
         default=[],
         choices=sorted(_CONFIG_NAMES),
         help="also time each of these kernel configs forced (s<split>: cluster-mma at that "
-        "cluster split; wgmma: the warpgroup-MMA variant)",
+        "cluster split; wgmma<split>: the warpgroup-MMA variant at that cluster split)",
     )
     parser.add_argument("--calls", type=int, default=200, help="profiled calls per path")
     args = parser.parse_args()

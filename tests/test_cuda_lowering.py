@@ -136,27 +136,26 @@ def test_lowering_emits_custom_call_with_cubin(fake_kernel):
 @pytest.mark.parametrize(
     "batch, heads, width, config",
     [
-        (5, 96, 2048, KernelConfig(split=4)),
-        (8, 64, 129, KernelConfig(split=4)),
-        (5, 128, 2048, KernelConfig(split=2)),
-        (16, 128, 2048, KernelConfig(split=1)),  # 128 CTAs: one wave
-        (17, 128, 2048, KernelConfig("wgmma")),  # split 1 would need two waves
-        (64, 128, 2048, KernelConfig("wgmma")),
+        (5, 96, 256, KernelConfig(split=4)),  # latency-h96: 8.7 us (split 2 9.4)
+        (5, 128, 256, KernelConfig(split=2)),  # latency-h128: 40 clusters of 4 take 2 waves
+        (5, 96, 1024, KernelConfig(split=4)),  # 14.1 us (wgmma split 8 14.6)
+        (5, 96, 2048, KernelConfig(split=4)),  # 8.7 us at 256 valid keys (wgmma s8 9.9)
+        (5, 128, 2048, KernelConfig("wgmma", 8)),  # rank-full: 20.9 us (split 2 39.9)
+        (16, 128, 2048, KernelConfig("wgmma", 2)),  # 58.9 us (cluster-mma split 1 73.8)
+        (32, 128, 2048, KernelConfig("wgmma", 2)),  # 63.7 us (wgmma split 1 112.4)
+        (64, 128, 2048, KernelConfig("wgmma", 1)),  # throughput: 115.4 us (split 2 125.6)
         (64, 128, 128, KernelConfig(split=1)),  # one chunk per row
-        (1, 1, 300, KernelConfig(split=4)),
-        (1, 128, 2048, KernelConfig(split=8)),  # 8 clusters: 64 CTAs of 256 index slots
-        (2, 64, 1024, KernelConfig(split=8)),
-        (2, 64, 1023, KernelConfig(split=4)),  # split 8 wants 8 chunks of index slots
-        (2, 128, 2048, KernelConfig(split=4)),  # 16 clusters of 8 would exceed half the SMs
-        (3, 128, 2048, KernelConfig(split=4)),
         (5, 96, 128, KernelConfig(split=1)),  # one chunk per row: no cluster
         (1, 16, 8, KernelConfig(split=1)),
+        (1, 128, 2048, KernelConfig(split=8)),  # 8 clusters of 8 (13.1 us, split 4 21.8)
+        (2, 64, 1024, KernelConfig(split=8)),
+        (8, 64, 129, KernelConfig(split=2)),  # 32 clusters of 4 would take 2 waves
     ],
     ids=str,
 )
 def test_lowering_follows_the_dispatch_rule(fake_kernel, batch, heads, width, config):
-    """Without a GPU the rule assumes the H200's 132 SMs: the largest split in one wave, and
-    wgmma where even split 1 needs several waves."""
+    """Without a GPU the rule assumes the H200's 132 SMs; the comments give the H200's
+    measured times (BENCHMARKS.md, session 6) behind each pick."""
     args = _args(batch=batch, heads=heads, width=width)
     (attrs,) = _custom_call_attributes(_cuda_text("cute", args))
     assert attrs["cluster"] == [config.split, 1, 1]
@@ -165,19 +164,38 @@ def test_lowering_follows_the_dispatch_rule(fake_kernel, batch, heads, width, co
     assert dispatch.choose_config(batch, padded, width) == config
 
 
+def test_active_clusters_match_the_h200():
+    # cuOccupancyMaxActiveClusters of every shipped cubin on the H200 (one CTA per SM).
+    assert [dispatch.active_clusters(s, 132) for s in (1, 2, 4, 8)] == [132, 66, 30, 15]
+
+
 def test_dispatch_rule_uses_the_sm_count():
-    assert dispatch.choose_config(5, 128, 2048, sm_count=132).split == 2  # 40 clusters
-    assert dispatch.choose_config(5, 128, 2048, sm_count=160).split == 4
-    assert dispatch.choose_config(5, 128, 2048, sm_count=79).split == 1
-    assert dispatch.choose_config(5, 128, 2048, sm_count=39).variant == "wgmma"
-    assert dispatch.choose_config(70, 32, 2048, sm_count=132).variant == "wgmma"  # 140 CTAs
+    # rank-full: 10 clusters of 8 fit one wave of 132 SMs, not of 66 (then split 4: one wave).
+    assert dispatch.choose_config(5, 128, 2048, sm_count=132) == KernelConfig("wgmma", 8)
+    assert dispatch.choose_config(5, 128, 2048, sm_count=66) == KernelConfig("wgmma", 4)
+    # B = 64: 128 CTAs of split 1 fill one wave of 132 SMs; on 66, split 1 takes 2 waves.
+    assert dispatch.choose_config(64, 128, 2048, sm_count=132) == KernelConfig("wgmma", 1)
+    assert dispatch.choose_config(64, 128, 2048, sm_count=66).variant == "wgmma"
 
 
-def test_dispatch_keeps_split_1_where_wgmma_would_pad_small_heads():
-    # 133 x 16 heads: two waves of split 1 (2 x 16 chunks) or two waves of 64-head tiles
-    # that are three quarters padding (2 x 32 wgmma chunks): split 1.
-    assert dispatch.choose_config(133, 16, 2048) == KernelConfig(split=1)
-    assert dispatch.choose_config(133, 64, 2048).variant == "wgmma"  # 532 vs 133 CTAs
+def test_dispatch_keeps_small_heads_off_wgmma():
+    # 133 x 16 heads: a 64-head wgmma tile would be three quarters padding.
+    assert dispatch.choose_config(133, 16, 2048).variant == "cluster-mma"
+    assert dispatch.choose_config(133, 64, 2048).variant == "wgmma"
+
+
+def test_predicted_times_follow_the_measured_order():
+    """The fitted costs rank the configs as the H200 did at the benchmark's shapes."""
+
+    def us(config, batch, heads, width):
+        return dispatch.predicted_us(config, batch, heads, width, 132)
+
+    wgmma = [KernelConfig("wgmma", s) for s in (1, 2, 4, 8)]
+    # rank-full: 103.7, 57.2, 32.3, 20.9 us.
+    times = [us(c, 5, 128, 2048) for c in wgmma]
+    assert times == sorted(times, reverse=True)
+    # throughput: split 1 (one wave) 115.4 before split 2 (two waves) 125.6.
+    assert us(wgmma[0], 64, 128, 2048) < us(wgmma[1], 64, 128, 2048)
 
 
 @pytest.mark.parametrize("split", [1, 2, 4, 8])

@@ -85,7 +85,17 @@ WG_P_OFFSET = WG_K_OFFSET + WG_STAGES * WG_F16_TILE  # P [WG_HEADS, WG_KEYS] F16
 WG_RED_OFFSET = WG_P_OFFSET + WG_HEADS * WG_KEYS * 2  # [2, WG_HEADS] f32: per-warpgroup
 # row maxima (each chunk), then row sums (the end)
 WG_LIVE_OFFSET = WG_RED_OFFSET + 2 * WG_HEADS * 4  # [WG_STAGES, WG_KEYS] i32: key read (1)
-WG_SMEM_BYTES = WG_LIVE_OFFSET + WG_STAGES * WG_KEYS * 4
+WG_BAR_OFFSET = WG_LIVE_OFFSET + WG_STAGES * WG_KEYS * 4  # u64 mbarrier: the merge's inbound
+WG_SMEM_BYTES = WG_BAR_OFFSET + 16
+# The cluster merge (split > 1) reuses the regions the chunk loop is done with. Each CTA
+# writes its normalised partial as F16 into an outbox in the K tiles, one block per owner
+# ([split, WG_HEADS, LATENT / split]; 16-byte pieces of a head row XOR-swizzled by head % 8),
+# and bulk-copies block r into slot ``part`` of CTA r's inbox (same layout, one block per
+# source); the (max, sum) stats of every source land in the P tile ([split, 2, WG_HEADS] f32).
+WG_OUTBOX_OFFSET = WG_K_OFFSET
+WG_INBOX_OFFSET = WG_OUTBOX_OFFSET + WG_HEADS * LATENT * 2
+WG_STATS_OFFSET = WG_P_OFFSET
+assert WG_INBOX_OFFSET + WG_HEADS * LATENT * 2 <= WG_P_OFFSET
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +108,7 @@ class KernelConfig:
     """
 
     variant: str = "cluster-mma"
-    split: int | None = None  # None: the variant's default (cluster-mma: 4, the seed's)
+    split: int | None = None  # None: the variant's default (cluster-mma: 4, the seed's; wgmma: 1)
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
@@ -138,14 +148,15 @@ class KernelConfig:
 VARIANTS = {
     # The seed's design: clusters of split CTAs per 16 heads, FP8 mma.sync, DSMEM merge.
     "cluster-mma": SPLITS,
-    # 64 heads per CTA on warpgroup MMA (F16 on K widened in shared memory, FP32 accumulate).
-    "wgmma": (1,),
+    # 64 heads per CTA on warpgroup MMA (F16 on K widened in shared memory, FP32 accumulate);
+    # clusters of split CTAs per 64 heads split a row's keys and merge as cluster-mma does.
+    "wgmma": (1, 2, 4, 8),
 }
 """Each variant and the splits it compiles."""
 
 DEFAULT_SPLITS = {"cluster-mma": 4, "wgmma": 1}
 
-# Each variant's launch: heads per CTA (per cluster for cluster-mma), threads, shared memory.
+# Each variant's launch: heads per cluster, threads, shared memory.
 _LAUNCH = {
     "cluster-mma": (HEADS, THREADS, SMEM_BYTES),
     "wgmma": (WG_HEADS, WG_THREADS, WG_SMEM_BYTES),

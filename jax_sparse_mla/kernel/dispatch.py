@@ -1,40 +1,57 @@
 """Which compiled kernel config runs a decode call: the dispatch rule, in one place.
 
 The rule sees only static shapes (rows B, padded heads Hp, index width K) and the GPU's SM
-count. It is backed by `benchmarks/bench_decode.py --configs s1 s2 s4 s8 wgmma`
-(BENCHMARKS.md, 2026-11-30, H200): at every benchmarked shape it picks the config that
-measured fastest or one within 0.7 us of it, except where the valid counts are far below K
-(32-128 keys of K = 2048: split 1 would be 0.6-1.8 us faster, but the counts are only known
-on the GPU).
+count. It predicts each config's time from per-CTA costs fitted to
+`benchmarks/bench_decode.py --configs s1 s2 s4 s8 wgmma1 wgmma2 wgmma4 wgmma8` (BENCHMARKS.md,
+2026-11-30, H200). At the benchmarked shapes it picks the config that measured fastest or one
+within 0.7 us or 4% of it, except where the valid counts are far below K (the counts are only
+known on the GPU) and where all 2048 keys are valid and wgmma wins by under 15%, which the
+margin below leaves to cluster-mma (B=5, H=96: 23.1 us vs wgmma split 8 19.7; B=2, H=128:
+21.9 vs 18.8).
 """
 
 from __future__ import annotations
 
-from jax_sparse_mla.kernel.config import CHUNK, HEADS, SPLITS, WG_HEADS, WG_KEYS, KernelConfig
-
-WGMMA = KernelConfig("wgmma")
+from jax_sparse_mla.kernel.config import ALL_CONFIGS, CHUNK, HEADS, WG_HEADS, WG_KEYS, KernelConfig
 
 H200_SMS = 132  # assumed when lowering for CUDA without a local GPU (jax.export)
 
-# Per-CTA costs fitted to the H200 runs (BENCHMARKS.md, session 5), in us: a cluster-mma CTA
-# at split 1 spends ~4.6 per 128-key chunk (B = 16, H = 128, 2048 keys: 73.7 = 16 x 4.6);
-# a wgmma CTA ~3.1 per 64-key chunk plus ~6 (18.6 at 256 keys, 104.4 at 2048).
-_MMA_CHUNK_US = 4.6
-_WGMMA_CHUNK_US, _WGMMA_FIXED_US = 3.1, 6.0
+# Per-CTA costs in us, fitted to the H200 runs (session 6). cluster-mma: ~2.3 per 64 keys of
+# the CTA's share, plus a fixed part that grows with the merge (split 1: 12.2 at 256 keys;
+# split 2: 8.5 at 128 keys per CTA, 39.9 at 1024; split 4: 14.1 at 256, 23.1 at 512).
+# wgmma: ~3.05 per 64-key chunk plus a fixed part (split 1: 18.8 at 256 keys, 103.7 at 2048;
+# split 8: 20.9 at 256 keys per CTA; the merge's bulk copies ~1-2).
+_MMA_PER_64_KEYS_US = 2.3
+_MMA_FIXED_US = {1: 3.0, 2: 3.9, 4: 4.8, 8: 5.5}
+_WGMMA_CHUNK_US = 3.05
+_WGMMA_FIXED_US = {1: 6.4, 2: 7.6, 4: 7.5, 8: 8.5}
+# K only bounds the valid counts from above. Where they run below K, cluster-mma's smaller
+# fixed cost wins back (B=5, H=96, 256 of 2048 keys: 8.7 us at cluster-mma split 4, 9.9 at
+# wgmma split 8), so wgmma must be predicted at least 15% faster at K.
+_WGMMA_MARGIN = 0.85
 
 
-def _waves(ctas: int, sm_count: int) -> int:
-    return -(-ctas // sm_count)
+def active_clusters(split: int, sm_count: int) -> int:
+    """Clusters of ``split`` one-SM CTAs resident at once. A cluster's CTAs share a GPC, so
+    clusters of 4 and 8 leave SMs idle: cuOccupancyMaxActiveClusters on the H200 gives 132,
+    66, 30 and 15 for clusters of 1, 2, 4 and 8 (every shipped config, one CTA per SM)."""
+    if split <= 2:
+        return sm_count // split
+    return max(1, sm_count * 10 // 11 // split)
 
 
-def _fits_one_wave(clusters: int, split: int, width: int, sm_count: int) -> bool:
-    if split == 8:
-        # A cluster of 8 needs 8 free SMs of one GPC: fewer such clusters fit at once than
-        # sm_count / 8 (B = 2, H = 128: 16 clusters of 8 took two waves, 26.0 us vs 22.1 at
-        # split 4), so only grids up to half the SMs; and only for K >= 8 chunks (at 256
-        # keys split 8 is 0.2 us slower than 4).
-        return clusters * split <= sm_count // 2 and width >= split * CHUNK
-    return clusters * split <= sm_count
+def predicted_us(config: KernelConfig, batch: int, padded_heads: int, width: int, sm_count: int):
+    """The fitted time of ``config`` for B = ``batch``, Hp = ``padded_heads``, K = ``width``:
+    waves of clusters times one CTA's cost for its share of a row's K keys."""
+    split = config.split
+    clusters = batch * -(-padded_heads // config.head_tile)
+    waves = -(-clusters // active_clusters(split, sm_count))
+    keys = -(-width // split)
+    if config.variant == "wgmma":
+        per_cta = -(-keys // WG_KEYS) * _WGMMA_CHUNK_US + _WGMMA_FIXED_US[split]
+    else:
+        per_cta = -(-keys // 64) * _MMA_PER_64_KEYS_US + _MMA_FIXED_US[split]
+    return waves * per_cta
 
 
 def choose_config(
@@ -43,29 +60,25 @@ def choose_config(
     """The config for B = ``batch`` rows of ``padded_heads`` heads over ``width`` index
     slots per row (K) on ``sm_count`` SMs.
 
-    - K <= CHUNK (128): split 1. A row's keys fit one chunk of one CTA, and a cluster would
-      only add its merge (B=5, H=96, 32-128 keys: 6.8-7.7 us at split 1, 8.3-8.5 at 4).
-    - Else one CTA fits per SM, so a grid of B * Hp / 16 * split CTAs runs in waves: the
-      largest split whose grid fits one wave (more CTAs per row, each shorter: B=1, H=128,
-      2048 keys 13.1 us at split 8, 21.8 at 4; latency-h96 8.8 us at split 4, 12.2 at 1;
-      latency-h128 9.5 us at split 2, 15.9 at 4).
-    - When even split 1 needs several waves: wgmma if its waves of 64-head CTAs (a quarter
-      of the CTAs, each ~1.3x as long per key) take less time than split 1's, by the fitted
-      per-CTA costs above (H = 128, 2048 keys: B = 32 114.4 us vs 147.3 at split 1,
-      throughput 117.4 vs 292.3; at B = 16, one wave of split 1, 73.7 vs 106.0). Small H
-      pads a 64-head tile: B = 133, H = 16 stays on split 1 (two waves either way).
+    - K <= CHUNK (128): cluster-mma split 1. A row's keys fit one chunk of one CTA, and a
+      cluster would only add its merge (B=5, H=96, 32-128 keys: 6.8-7.7 us at split 1,
+      8.3-8.5 at 4).
+    - Else each variant's split with the smallest predicted time (``predicted_us``; ties to
+      the larger split), and wgmma's only where it is predicted 15% faster than
+      cluster-mma's (``_WGMMA_MARGIN``). Measured (us, the pick first): latency-h96 (256 of
+      2048 keys) cluster-mma s4 8.7 (wgmma s8 9.9); rank-full (B=5, H=128, 2048 keys) wgmma
+      s8 19.8 (cluster-mma s2 39.7); B=16 wgmma s2 58.4 (s8 56.4, cluster-mma s1 73.9);
+      B=32 wgmma s2 64.4 (s1 112.4); throughput (B=64) wgmma s1 115.0 (s2 125.6).
     """
     if width <= CHUNK:
-        return KernelConfig(split=min(SPLITS))
-    clusters = batch * (padded_heads // HEADS)
-    if clusters > sm_count:
-        split1_us = _waves(clusters, sm_count) * -(-width // CHUNK) * _MMA_CHUNK_US
-        tiles = batch * -(-padded_heads // WG_HEADS)
-        per_cta = -(-width // WG_KEYS) * _WGMMA_CHUNK_US + _WGMMA_FIXED_US
-        if _waves(tiles, sm_count) * per_cta < split1_us:
-            return WGMMA
-        return KernelConfig(split=min(SPLITS))
-    for split in sorted(SPLITS, reverse=True)[:-1]:
-        if _fits_one_wave(clusters, split, width, sm_count):
-            return KernelConfig(split=split)
-    return KernelConfig(split=min(SPLITS))
+        return KernelConfig(split=1)
+    assert padded_heads % HEADS == 0 and WG_HEADS % HEADS == 0
+
+    def fastest(variant: str) -> tuple[float, KernelConfig]:
+        configs = sorted((c for c in ALL_CONFIGS if c.variant == variant), key=lambda c: -c.split)
+        timed = [(predicted_us(c, batch, padded_heads, width, sm_count), c) for c in configs]
+        return min(timed, key=lambda pair: pair[0])
+
+    mma_us, mma = fastest("cluster-mma")
+    wgmma_us, wgmma = fastest("wgmma")
+    return wgmma if wgmma_us <= _WGMMA_MARGIN * mma_us else mma

@@ -106,6 +106,14 @@ def store_global_v2(addr, w0, w1, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def store_global_v4(addr, words, *, loc=None, ip=None) -> None:
+    """Four words to global memory (16-byte aligned)."""
+    code = "st.global.v4.b32 [$0], {$1, $2, $3, $4};"
+    operands = [_i64(addr, loc, ip)] + [_i32(w, loc, ip) for w in words]
+    _asm(None, operands, code, "l,r,r,r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
 def store_global_b32(addr, word, *, loc=None, ip=None) -> None:
     """One word to global memory."""
     operands = [_i64(addr, loc, ip), _i32(word, loc, ip)]
@@ -134,6 +142,14 @@ def load_shared_f32(addr, *, loc=None, ip=None) -> Float32:
     """ld.shared.f32."""
     code = "ld.shared.f32 $0, [$1];"
     return Float32(_asm(T.f32(), [_i32(addr, loc, ip)], code, "=f,r", True, loc, ip))
+
+
+@dsl_user_op
+def load_shared_v4(addr, *, loc=None, ip=None) -> tuple:
+    """Four words from shared memory (16-byte aligned)."""
+    code = "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];"
+    words = _asm([T.i32()] * 4, [_i32(addr, loc, ip)], code, "=r,=r,=r,=r,r", True, loc, ip)
+    return tuple(Int32(w) for w in words)
 
 
 @dsl_user_op
@@ -304,6 +320,18 @@ def copy_g2s(dst, src, size: int, bar, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def copy_s2c(dst, src, size: int, bar, *, loc=None, ip=None) -> None:
+    """cp.async.bulk of ``size`` bytes from this CTA's shared memory to a peer's (``dst`` and
+    ``bar`` shared::cluster addresses), completing tx bytes on the peer's ``bar``."""
+    code = (
+        "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes "
+        f"[$0], [$1], {size}, [$2];"
+    )
+    operands = [_i32(dst, loc, ip), _i32(src, loc, ip), _i32(bar, loc, ip)]
+    _asm(None, operands, code, "r,r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
 def map_peer(addr, rank, *, loc=None, ip=None) -> Int32:
     """The shared::cluster address of ``addr`` in CTA ``rank`` of the cluster."""
     code = "mapa.shared::cluster.u32 $0, $1, $2;"
@@ -350,6 +378,14 @@ def f16x2(low, high, *, loc=None, ip=None) -> Int32:
     code = "cvt.rn.f16x2.f32 $0, $2, $1;"
     operands = [_f32(low, loc, ip), _f32(high, loc, ip)]
     return Int32(_asm(T.i32(), operands, code, "=r,f,f", False, loc, ip))
+
+
+@dsl_user_op
+def f16x2_to_f32(word, *, loc=None, ip=None) -> tuple:
+    """The two F16 halves of ``word`` as floats (low half first)."""
+    code = "{ .reg .f16 lo, hi; mov.b32 {lo, hi}, $2; cvt.f32.f16 $0, lo; cvt.f32.f16 $1, hi; }"
+    values = _asm([T.f32()] * 2, [_i32(word, loc, ip)], code, "=f,=f,r", False, loc, ip)
+    return tuple(Float32(v) for v in values)
 
 
 def smem_descriptor(addr, lbo: int, sbo: int, swizzle: int) -> Int64:

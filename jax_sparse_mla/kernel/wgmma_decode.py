@@ -1,8 +1,8 @@
 """Sparse MLA decode on warpgroup MMA (wgmma) for Hopper (sm_90a), in CuTe DSL.
 
-The throughput variant: one CTA per (64 heads, row b), two warpgroups. Per chunk of WG_KEYS
-keys the 256 threads load the cache rows with 16-byte loads into registers a chunk ahead,
-and widen them to F16 (exact: E4M3 is a subset of F16) into one of WG_STAGES 128-byte-
+The throughput variant: one CTA per (64 heads, row b) at split 1, two warpgroups. Per chunk
+of WG_KEYS keys the 256 threads load the cache rows with 16-byte loads into registers a chunk
+ahead, and widen them to F16 (exact: E4M3 is a subset of F16) into one of WG_STAGES 128-byte-
 swizzled K-major tiles while the tensor cores compute S of the chunk before. Warpgroup g computes
 S = Q K^T for all 64 heads and keys 32 g .. 32 g + 31 (wgmma m64n32k16 F16 -> FP32, both
 operands in shared memory, Q widened once); the two exchange their row maxima through shared
@@ -12,14 +12,25 @@ write P as F16 into a shared tile. Then warpgroup g accumulates O's latent colum
 first 512 columns read MN-major (V). Dead keys (past the count, rows outside [0, n_rows)) get
 S = -inf and a zero row.
 
+Split > 1 (KernelConfig("wgmma", split)): a cluster of split CTAs per (64 heads, row b), CTA
+``part`` taking keys part, part + split, ... of the row. After the chunk loop each CTA writes
+its O / l as F16 into an outbox in its (now free) K tiles, one block of LATENT / split columns
+per CTA of the cluster; a cluster barrier; one bulk copy (cp.async.bulk shared::cta ->
+shared::cluster) per peer moves block r into peer r's inbox, and st.async its (max, sum) per
+head, all completing on the receiver's mbarrier. Each CTA then merges its columns over the
+split partials, weighted by sum x 2^(max - common max), and writes them as BF16 (part 0 the
+LSE). F16 suffices for a normalised partial (|O / l| <= max |V|; 11 mantissa bits before the
+BF16 output's 8), and halves the DSMEM traffic: a first build pushed FP32 partials with 8-byte
+st.async and ran rank-full (B=5, H=128, 2048 keys, split 8) in 32.3 us; this one in 19.9.
+
 Why F16 and not FP8 wgmma for QK: Hopper's FP8 wgmma accumulates with reduced precision
 (measured: LSE off by ~1e-3 against float64 at K = 2048, 50x the FP32 tolerance this package
 holds every kernel to); F16 products of E4M3 values are exact and accumulate in FP32.
 
 Same ABI as the cluster-mma variant (PARAMS in config.py): raw pointers and i32 sizes, the
 batch as the grid's y extent, the padded heads Hp any multiple of 16 (grid x: ceil(Hp /
-WG_HEADS); the heads missing from a last partial tile are neither read nor written). Nothing
-is read before griddepcontrol.wait (PDL).
+WG_HEADS) * split; the heads missing from a last partial tile are neither read nor written).
+Nothing is read before griddepcontrol.wait (PDL).
 """
 
 from __future__ import annotations
@@ -36,16 +47,20 @@ from jax_sparse_mla.kernel.config import (
     LN2,
     ROW,
     WG_ATOM,
+    WG_BAR_OFFSET,
     WG_F16_TILE,
     WG_HEADS,
+    WG_INBOX_OFFSET,
     WG_K_OFFSET,
     WG_KEYS,
     WG_LIVE_OFFSET,
+    WG_OUTBOX_OFFSET,
     WG_P_OFFSET,
     WG_Q_OFFSET,
     WG_RED_OFFSET,
     WG_SMEM_BYTES,
     WG_STAGES,
+    WG_STATS_OFFSET,
     WG_THREADS,
 )
 from jax_sparse_mla.kernel.entry import DecodeKernel
@@ -77,7 +92,20 @@ def f16_offset(row, column):
 
 
 class WgmmaDecode(DecodeKernel):
-    """Sparse decode of B rows x Hp heads over rows [B, K] (grid: ceil(Hp / WG_HEADS), B)."""
+    """Sparse decode of B rows x Hp heads over rows [B, K] (grid: ceil(Hp / WG_HEADS) * split,
+    B; clusters of split CTAs)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        # split 1 normalises in its own epilogue; split > 1 merges over the cluster (DSMEM).
+        self.clustered = self.split > 1
+        self.cols = LATENT // self.split  # latent columns each CTA of a cluster merges
+        self.block = WG_HEADS * self.cols * 2  # bytes of one F16 partial block (an owner's)
+        assert self.cols // 8 >= 8  # 8+ pieces per head row: the swizzle by head % 8
+        assert self.split * 2 * WG_HEADS * 4 <= WG_HEADS * WG_KEYS * 2  # stats in the P tile
+        # Bytes each CTA receives: its columns of every peer's partial (its own stay in its
+        # outbox), and every source's stats.
+        self.inbound_bytes = (self.split - 1) * self.block + self.split * 2 * WG_HEADS * 4
 
     @cute.kernel
     def kernel(
@@ -98,26 +126,38 @@ class WgmmaDecode(DecodeKernel):
         base = smem.allocate(WG_SMEM_BYTES, 1024).toint()
         sQ, sK, sLive = base + WG_Q_OFFSET, base + WG_K_OFFSET, base + WG_LIVE_OFFSET
         sP, sRed = base + WG_P_OFFSET, base + WG_RED_OFFSET
+        inbound = base + WG_BAR_OFFSET
 
         tid, _, _ = cute.arch.thread_idx()
-        tile, b, _ = cute.arch.block_idx()
+        x, b, _ = cute.arch.block_idx()
+        tile, part = x // self.split, x % self.split
         group = tid // 128  # the warpgroup: keys 32 group .. of S, columns 256 group .. of O
         warp, lane = (tid % 128) // 32, tid % 32
         quad = lane % 4
         neg_inf = Float32(-math.inf)
+        if cutlass.const_expr(self.clustered):
+            if tid == 0:
+                # Armed now; peers push only after the cluster barrier that ends the loop.
+                ptx.mbarrier_init(inbound, 1)
+                cute.arch.mbarrier_init_fence()
+            cute.arch.sync_threads()
+            if tid == 0:
+                ptx.mbarrier_arrive_expect_tx(inbound, self.inbound_bytes)
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
-        rows_base = mRows.toint() + Int64(b) * width * 4
         n = ptx.load_global_i32(mValid.toint() + Int64(b) * 4)
         n = max(min(n, width), Int32(0))
-        chunks = (n + WG_KEYS - 1) // WG_KEYS
+        # This CTA's keys: part, part + split, ... of the row's n.
+        mine = (n - part + self.split - 1) // self.split
+        chunks = (mine + WG_KEYS - 1) // WG_KEYS
+        rows_base = mRows.toint() + (Int64(b) * width + part) * 4
         # This thread's pieces of its key of the next chunk, loaded a chunk ahead of their
         # widening; row indices are loaded a chunk ahead of those loads.
         staged = cute.make_rmem_tensor((MINE * 4,), Int32)
-        row = self.load_row(rows_base, n, 0, tid)
+        row = self.load_row(rows_base, mine, 0, tid)
         live = self.fetch(mKV, row, n_rows, row_bytes, staged, tid)
-        row = self.load_row(rows_base, n, 1, tid)
+        row = self.load_row(rows_base, mine, 1, tid)
         # The last tile may be partial (Hp a multiple of 16): missing heads get a zero Q row
         # (their S is 0, their output is not written).
         q_base = mQ.toint() + Int64(b) * heads * ROW
@@ -133,7 +173,7 @@ class WgmmaDecode(DecodeKernel):
             self.widen_piece(q_words[i], head < heads, sQ, flat // PIECES, flat % PIECES)
         self.widen(staged, live, sK, sLive, tid)  # chunk 0
         live = self.fetch(mKV, row, n_rows, row_bytes, staged, tid)  # chunk 1
-        row = self.load_row(rows_base, n, 2, tid)
+        row = self.load_row(rows_base, mine, 2, tid)
         ptx.fence_proxy_async_shared()  # Q and chunk 0 are read by wgmma
         scale_log2 = ptx.load_global_f32(mScales.toint())
 
@@ -174,7 +214,7 @@ class WgmmaDecode(DecodeKernel):
                 )
                 ptx.fence_proxy_async_shared()  # chunk c + 1 is read by wgmma
                 live = self.fetch(mKV, row, n_rows, row_bytes, staged, tid)  # chunk c + 2
-                row = self.load_row(rows_base, n, c + 3, tid)
+                row = self.load_row(rows_base, mine, c + 3, tid)
             ptx.wgmma_wait(0)
             s = ptx.pin_f32(s)
 
@@ -241,16 +281,36 @@ class WgmmaDecode(DecodeKernel):
             for v in cutlass.range_constexpr(O_VALUES):
                 acc[v] = o[v]
 
-        self.epilogue(mScales, mLatent, mLse, sRed, acc, m_run, l_part, tile, b, heads, tid)
+        totals = self.row_sums(sRed, l_part, tid)
+        if cutlass.const_expr(self.clustered):
+            sOutbox, sInbox = base + WG_OUTBOX_OFFSET, base + WG_INBOX_OFFSET
+            sStats = base + WG_STATS_OFFSET
+            self.fill_outbox(sOutbox, acc, totals, tid)
+            ptx.fence_proxy_async_shared()  # the outbox is read by bulk copies
+            # Every CTA of the cluster is done with its tiles (inbox and stats regions), and
+            # this CTA's outbox is complete.
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+            # Also a CTA barrier (the cluster barrier is one already): racecheck models only
+            # CTA barriers, and the merge reads this CTA's own block from the outbox.
+            cute.arch.sync_threads()
+            self.push(sOutbox, sInbox, sStats, inbound, m_run, totals, part, tid)
+            ptx.mbarrier_wait_cluster(inbound, 0)  # every source's block of these columns
+            # Every CTA has received everything: no outbox is read after this barrier.
+            cute.arch.cluster_arrive_relaxed()
+            self.merge(mScales, mLatent, mLse, sOutbox, sInbox, sStats, tile, part, b, heads, tid)
+            cute.arch.cluster_wait()  # no CTA exits while a copy still reads its outbox
+        else:
+            self.epilogue(mScales, mLatent, mLse, acc, m_run, totals, tile, b, heads, tid)
 
     @cute.jit
-    def load_row(self, rows_base, n, c, tid):
-        """The row index of this thread's key in chunk c: rows[b, c WG_KEYS + tid / COPIERS],
-        or -1 past the count (nothing read)."""
+    def load_row(self, rows_base, mine, c, tid):
+        """The row index of this thread's key in chunk c: rows[b, part + split j] for
+        j = c WG_KEYS + tid / COPIERS, or -1 from ``mine`` on (nothing read)."""
         j = c * WG_KEYS + tid // COPIERS
         row = Int32(-1)
-        if j < n:
-            row = ptx.load_global_i32(rows_base + Int64(j) * 4)
+        if j < mine:
+            row = ptx.load_global_i32(rows_base + Int64(j) * (self.split * 4))
         return row
 
     @cute.jit
@@ -290,29 +350,42 @@ class WgmmaDecode(DecodeKernel):
             ptx.store_shared_v4(dst, *halves[4 * e : 4 * e + 4])
 
     @cute.jit
+    def row_sums(self, sRed, l_part, tid):
+        """The sums of P of this thread's two heads over the CTA's keys (both warpgroups',
+        through sRed)."""
+        group = tid // 128
+        warp, lane = (tid % 128) // 32, tid % 32
+        for r in cutlass.range_constexpr(2):
+            total = l_part[r]
+            for shift in cutlass.range_constexpr(2):
+                total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << shift)
+            if lane % 4 == 0:
+                head = 16 * warp + lane // 4 + 8 * r
+                ptx.store_shared_f32(sRed + (group * WG_HEADS + head) * 4, total)
+        cute.arch.sync_threads()
+        totals = []
+        for r in cutlass.range_constexpr(2):
+            head = 16 * warp + lane // 4 + 8 * r
+            totals.append(
+                ptx.load_shared_f32(sRed + head * 4)
+                + ptx.load_shared_f32(sRed + (WG_HEADS + head) * 4)
+            )
+        return totals
+
+    @cute.jit
     def epilogue(
-        self, mScales: cute.Pointer, mLatent, mLse, sRed, acc, m_run, l_part, tile, b, heads, tid
+        self, mScales: cute.Pointer, mLatent, mLse, acc, m_run, totals, tile, b, heads, tid
     ):
         """O / l as BF16 (times out_scale) and the natural-log LSE; -inf and zeros for a row
-        without live keys. l sums both warpgroups' keys (through sRed)."""
+        without live keys."""
         out_scale = ptx.load_global_f32(mScales.toint() + 4)
         neg_inf = Float32(-math.inf)
         group = tid // 128
         warp, lane = (tid % 128) // 32, tid % 32
         quad = lane % 4
         for r in cutlass.range_constexpr(2):
-            total = l_part[r]
-            for shift in cutlass.range_constexpr(2):
-                total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << shift)
-            if quad == 0:
-                head = 16 * warp + lane // 4 + 8 * r
-                ptx.store_shared_f32(sRed + (group * WG_HEADS + head) * 4, total)
-        cute.arch.sync_threads()
-        for r in cutlass.range_constexpr(2):
             head_in_tile = 16 * warp + lane // 4 + 8 * r
-            total = ptx.load_shared_f32(sRed + head_in_tile * 4) + ptx.load_shared_f32(
-                sRed + (WG_HEADS + head_in_tile) * 4
-            )
+            total = totals[r]
             # != rather than >: a NaN total (a NaN logit) must poison the LSE, not empty the row.
             nonempty = total != Float32(0.0)
             inverse = ptx.where(nonempty, out_scale / total, 0.0)
@@ -327,4 +400,116 @@ class WgmmaDecode(DecodeKernel):
                 lse2 = ptx.where(
                     nonempty, m_run[r] + cute.math.log2(total, fastmath=False), neg_inf
                 )
+                ptx.store_global_f32(mLse.toint() + gh * 4, lse2 * Float32(LN2))
+
+    @cute.jit
+    def fill_outbox(self, sOutbox, acc, totals, tid):
+        """This CTA's partial O / l as F16 into the outbox (0 for a head without live keys),
+        block ``owner`` holding the columns CTA ``owner`` merges."""
+        group = tid // 128
+        warp, lane = (tid % 128) // 32, tid % 32
+        quad = lane % 4
+        inverse = [ptx.where(totals[r] != Float32(0.0), 1.0 / totals[r], 0.0) for r in range(2)]
+        for v in cutlass.range_constexpr(0, O_VALUES, 2):
+            # acc[v], acc[v + 1]: head 16 warp + lane / 4 + 8 r, columns c, c + 1.
+            r = (v // 2) % 2
+            head = 16 * warp + lane // 4 + 8 * r
+            column = group * WG_COLS + 8 * (v // 4) + 2 * quad
+            word = ptx.f16x2(acc[v] * inverse[r], acc[v + 1] * inverse[r])
+            piece = self.piece_at(sOutbox, column // self.cols, head, column % self.cols)
+            ptx.store_shared_u32(piece + 2 * (column % 8), word)
+
+    def piece_at(self, region, block, head, column):
+        """Address of the 16-byte piece holding ``column`` (of a block's cols) of ``head`` in
+        block ``block`` of an outbox or inbox."""
+        piece = (column // 8) ^ (head % 8)
+        return region + block * self.block + head * (self.cols * 2) + piece * 16
+
+    @cute.jit
+    def push(self, sOutbox, sInbox, sStats, inbound, m_run, totals, part, tid):
+        """Outbox block r into slot ``part`` of peer r's inbox (one bulk copy each, issued by
+        one thread; block ``part`` stays), and this CTA's (max, sum) per head into every CTA's
+        stats (st.async); all complete on the receiver's inbound barrier."""
+        group = tid // 128
+        warp, lane = (tid % 128) // 32, tid % 32
+        if tid == 0:
+            for step in cutlass.range_constexpr(1, self.split):
+                peer = (part + step) % self.split
+                ptx.copy_s2c(
+                    ptx.map_peer(sInbox + part * self.block, peer),
+                    sOutbox + peer * self.block,
+                    self.block,
+                    ptx.map_peer(inbound, peer),
+                )
+        if (group == 0) & (lane % 4 == 0):
+            for r in cutlass.range_constexpr(2):
+                head = 16 * warp + lane // 4 + 8 * r
+                m_dst = sStats + ((part * 2 + 0) * WG_HEADS + head) * 4
+                l_dst = sStats + ((part * 2 + 1) * WG_HEADS + head) * 4
+                for peer in cutlass.range_constexpr(self.split):
+                    peer_inbound = ptx.map_peer(inbound, peer)
+                    ptx.push_f32(ptx.map_peer(m_dst, peer), m_run[r], peer_inbound)
+                    ptx.push_f32(ptx.map_peer(l_dst, peer), totals[r], peer_inbound)
+
+    @cute.jit
+    def merge(
+        self,
+        mScales: cute.Pointer,
+        mLatent,
+        mLse,
+        sOutbox,
+        sInbox,
+        sStats,
+        tile,
+        part,
+        b,
+        heads,
+        tid,
+    ):
+        """Columns part * cols .. + cols of the tile's heads over the cluster's partials,
+        weighted by each source's sum at the common max, as BF16 (times out_scale), and the
+        LSE (part 0): thread t takes head t / 4 and pieces t % 4, t % 4 + 4, ... (8 columns
+        each) of every source's block."""
+        out_scale = ptx.load_global_f32(mScales.toint() + 4)
+        neg_inf = Float32(-math.inf)
+        head_in_tile, quarter = tid // 4, tid % 4
+        pieces = self.cols // 8 // 4  # per thread
+        top = neg_inf
+        for c in cutlass.range_constexpr(self.split):
+            m_src = sStats + (c * 2 * WG_HEADS + head_in_tile) * 4
+            top = cute.arch.fmax(top, ptx.load_shared_f32(m_src))
+        total = Float32(0.0)
+        merged = cute.make_rmem_tensor((pieces * 8,), Float32)
+        merged.fill(0.0)
+        for c in cutlass.range_constexpr(self.split):
+            maximum = ptx.load_shared_f32(sStats + (c * 2 * WG_HEADS + head_in_tile) * 4)
+            partial_sum = ptx.load_shared_f32(sStats + ((c * 2 + 1) * WG_HEADS + head_in_tile) * 4)
+            rise = cute.math.exp2(maximum - top, fastmath=True)
+            # A source without live keys weighs 0 (a NaN sum still poisons the total).
+            weight = ptx.where(maximum != neg_inf, rise, 0.0) * partial_sum
+            total = total + weight
+            # Source c's block: in the inbox, or this CTA's own in its outbox.
+            source = ptx.where_i32(c == part, sOutbox + (part - c) * self.block, sInbox)
+            for k in cutlass.range_constexpr(pieces):
+                column = 8 * (quarter + 4 * k)
+                halves = ptx.load_shared_v4(self.piece_at(source, c, head_in_tile, column))
+                for e in cutlass.range_constexpr(4):
+                    low, high = ptx.f16x2_to_f32(halves[e])
+                    merged[8 * k + 2 * e] = merged[8 * k + 2 * e] + weight * low
+                    merged[8 * k + 2 * e + 1] = merged[8 * k + 2 * e + 1] + weight * high
+        # != rather than >: a NaN total (a NaN logit) must poison the LSE, not empty the row.
+        nonempty = total != Float32(0.0)
+        inverse = ptx.where(nonempty, out_scale / total, 0.0)
+        head = tile * WG_HEADS + head_in_tile
+        gh = Int64(b) * heads + head
+        if head < heads:
+            for k in cutlass.range_constexpr(pieces):
+                col = part * self.cols + 8 * (quarter + 4 * k)
+                words = [
+                    ptx.bf16x2(merged[8 * k + 2 * e] * inverse, merged[8 * k + 2 * e + 1] * inverse)
+                    for e in range(4)
+                ]
+                ptx.store_global_v4(mLatent.toint() + (gh * LATENT + col) * 2, words)
+            if (part == 0) & (quarter == 0):
+                lse2 = ptx.where(nonempty, top + cute.math.log2(total, fastmath=False), neg_inf)
                 ptx.store_global_f32(mLse.toint() + gh * 4, lse2 * Float32(LN2))

@@ -3,7 +3,7 @@
     compute-sanitizer --tool memcheck --kernel-name kns=jax_sparse_mlakernel \\
         python3 tests/gpu/sanitize_decode.py [SLUG_PART ...]
 
-Covers every kernel config (cluster-mma at split 1, 2, 4, 8; wgmma), empty rows, counts
+Covers every kernel config (cluster-mma and wgmma at split 1, 2, 4, 8), empty rows, counts
 below 0 and above K, out-of-range and boundary rows, duplicates, garbage past each count and
 rows padded past 576 bytes, on a small cache so that a stray read would leave it. Arguments
 keep only the configs whose slug contains one of them (e.g. ``wgmma``).

@@ -2,7 +2,7 @@
 
 One cubin per config (shipped in the installed package, cached, or compiled by
 nvidia-cutlass-dsl) serves every shape: B, padded H, K, the cache size and its row pitch W
-arrive at run time. Every config (cluster-mma at split 1, 2, 4, 8; wgmma) runs every shape.
+arrive at run time. Every config (cluster-mma and wgmma at split 1, 2, 4, 8) runs every shape.
 
     python -m pytest -s -m gpu tests/gpu/test_kernel_gpu.py
 
