@@ -20,7 +20,7 @@ H200_SMS = 132  # assumed when lowering for CUDA without a local GPU (jax.export
 # the CTA's share, plus a fixed part that grows with the merge (split 1: 12.2 at 256 keys;
 # split 2: 8.5 at 128 keys per CTA, 39.9 at 1024; split 4: 14.1 at 256, 23.1 at 512).
 # wgmma: ~3.05 per 64-key chunk plus a fixed part (split 1: 18.8 at 256 keys, 103.7 at 2048;
-# split 8: 20.9 at 256 keys per CTA; the merge's bulk copies ~1-2).
+# split 8: 19.8 at 256 keys per CTA; the merge's bulk copies ~1-2).
 _MMA_PER_64_KEYS_US = 2.3
 _MMA_FIXED_US = {1: 3.0, 2: 3.9, 4: 4.8, 8: 5.5}
 _WGMMA_CHUNK_US = 3.05
@@ -68,7 +68,7 @@ def choose_config(
       cluster-mma's (``_WGMMA_MARGIN``). Measured (us, the pick first): latency-h96 (256 of
       2048 keys) cluster-mma s4 8.7 (wgmma s8 9.9); rank-full (B=5, H=128, 2048 keys) wgmma
       s8 19.8 (cluster-mma s2 39.7); B=16 wgmma s2 58.4 (s8 56.4, cluster-mma s1 73.9);
-      B=32 wgmma s2 64.4 (s1 112.4); throughput (B=64) wgmma s1 115.0 (s2 125.6).
+      B=32 wgmma s2 64.3 (s1 111.9); throughput (B=64) wgmma s1 115.0 (s2 131.6).
     """
     if width <= CHUNK:
         return KernelConfig(split=1)
