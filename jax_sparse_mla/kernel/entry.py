@@ -6,9 +6,11 @@ here only serves compilation (it fixes the block, cluster and shared memory of t
 
 from __future__ import annotations
 
+import cutlass
 import cutlass.cute as cute
 from cutlass import Int32
 
+from jax_sparse_mla.kernel import ptx
 from jax_sparse_mla.kernel.config import KernelConfig
 
 
@@ -45,3 +47,15 @@ class DecodeKernel:
             smem=config.smem_bytes,
             use_pdl=True,
         )
+
+    @cute.jit
+    def push_stats(self, sStats, inbound, part, head, tile_heads: int, maximum, total):
+        """This CTA's (max, sum) of ``head`` into every cluster CTA's stats
+        ([split, 2, tile_heads] f32, slot ``part``): st.async on each receiver's inbound
+        barrier, for the cluster merge."""
+        m_dst = sStats + ((part * 2 + 0) * tile_heads + head) * 4
+        l_dst = sStats + ((part * 2 + 1) * tile_heads + head) * 4
+        for peer in cutlass.range_constexpr(self.split):
+            peer_inbound = ptx.map_peer(inbound, peer)
+            ptx.push_f32(ptx.map_peer(m_dst, peer), maximum, peer_inbound)
+            ptx.push_f32(ptx.map_peer(l_dst, peer), total, peer_inbound)

@@ -319,16 +319,11 @@ class SparseDecode(DecodeKernel):
                 l_run = ptx.load_shared_f32(sRedSum + head * 4)
                 for w in cutlass.range_constexpr(1, QK_WARPS):
                     l_run = l_run + ptx.load_shared_f32(sRedSum + (w * HEADS + head) * 4)
-                m_dst = sStats + ((part * 2 + 0) * HEADS + head) * 4
-                l_dst = sStats + ((part * 2 + 1) * HEADS + head) * 4
                 if cutlass.const_expr(self.clustered):
-                    for peer in cutlass.range_constexpr(self.split):
-                        peer_inbound = ptx.map_peer(inbound, peer)
-                        ptx.push_f32(ptx.map_peer(m_dst, peer), m_run[r], peer_inbound)
-                        ptx.push_f32(ptx.map_peer(l_dst, peer), l_run, peer_inbound)
+                    self.push_stats(sStats, inbound, part, head, HEADS, m_run[r], l_run)
                 else:
-                    ptx.store_shared_f32(m_dst, m_run[r])
-                    ptx.store_shared_f32(l_dst, l_run)
+                    ptx.store_shared_f32(sStats + head * 4, m_run[r])
+                    ptx.store_shared_f32(sStats + (HEADS + head) * 4, l_run)
         if cutlass.const_expr(self.clustered):
             ptx.mbarrier_wait_cluster(inbound, 0)  # every source's partial of these columns
         else:

@@ -444,12 +444,7 @@ class WgmmaDecode(DecodeKernel):
         if (group == 0) & (lane % 4 == 0):
             for r in cutlass.range_constexpr(2):
                 head = 16 * warp + lane // 4 + 8 * r
-                m_dst = sStats + ((part * 2 + 0) * WG_HEADS + head) * 4
-                l_dst = sStats + ((part * 2 + 1) * WG_HEADS + head) * 4
-                for peer in cutlass.range_constexpr(self.split):
-                    peer_inbound = ptx.map_peer(inbound, peer)
-                    ptx.push_f32(ptx.map_peer(m_dst, peer), m_run[r], peer_inbound)
-                    ptx.push_f32(ptx.map_peer(l_dst, peer), totals[r], peer_inbound)
+                self.push_stats(sStats, inbound, part, head, WG_HEADS, m_run[r], totals[r])
 
     @cute.jit
     def merge(
