@@ -34,16 +34,12 @@ Q_OFFSET = KV_OFFSET + STAGES * CHUNK * PITCH  # [HEADS, PITCH] u8: the 16 query
 P_OFFSET = Q_OFFSET + HEADS * PITCH  # [HEADS, P_PITCH] u8: E4M3 P
 RED_OFFSET = P_OFFSET + HEADS * P_PITCH  # [2, QK_WARPS, HEADS] f32: chunk maxima, sums
 LIVE_OFFSET = RED_OFFSET + 2 * QK_WARPS * HEADS * 4  # [STAGES, CHUNK] i32: key copied (1)
-# [split, HEADS, LATENT / split] f32: the partials of this CTA's columns (same size any split)
+# split 1: [HEADS, LATENT] f32, the CTA's partial; split > 1: [split, HEADS, LATENT / split]
+# F16, every source's block of this CTA's columns (normalised partials)
 INBOX_OFFSET = LIVE_OFFSET + STAGES * CHUNK * 4
 STATS_OFFSET = INBOX_OFFSET + HEADS * LATENT * 4  # [split, 2, HEADS] f32: (max, sum)
 BAR_OFFSET = STATS_OFFSET + MAX_SPLIT * 2 * HEADS * 4  # u64 mbarriers: STAGES chunks, inbound
 SMEM_BYTES = BAR_OFFSET + 8 * (STAGES + 1)
-
-
-def inbound_bytes(split: int) -> int:
-    """Bytes the cluster's CTAs push to one CTA: its columns of every partial, and the stats."""
-    return (HEADS * LATENT + split * 2 * HEADS) * 4
 
 
 ARCH = "sm_90a"

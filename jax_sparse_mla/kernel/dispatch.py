@@ -16,13 +16,14 @@ from jax_sparse_mla.kernel.config import ALL_CONFIGS, CHUNK, HEADS, WG_HEADS, WG
 
 H200_SMS = 132  # assumed when lowering for CUDA without a local GPU (jax.export)
 
-# Per-CTA costs in us, fitted to the H200 runs (session 6). cluster-mma: ~2.3 per 64 keys of
-# the CTA's share, plus a fixed part that grows with the merge (split 1: 12.2 at 256 keys;
-# split 2: 8.5 at 128 keys per CTA, 39.9 at 1024; split 4: 14.1 at 256, 23.1 at 512).
+# Per-CTA costs in us, fitted to the H200 runs (sessions 6 and 7). cluster-mma: ~2.3 per 64
+# keys of the CTA's share, plus a fixed part that grows with the merge (split 1: 12.5 at 256
+# keys; split 2: 7.5-7.9 at 128 keys per CTA, 39.1 at 1024; split 4: 7.1-7.4 at 64, 21.8 at
+# 512; split 8: 13.1 in two waves at 32).
 # wgmma: ~3.05 per 64-key chunk plus a fixed part (split 1: 18.8 at 256 keys, 103.7 at 2048;
 # split 8: 19.8 at 256 keys per CTA; the merge's bulk copies ~1-2).
 _MMA_PER_64_KEYS_US = 2.3
-_MMA_FIXED_US = {1: 3.0, 2: 3.9, 4: 4.8, 8: 5.5}
+_MMA_FIXED_US = {1: 3.0, 2: 3.0, 4: 4.2, 8: 4.3}
 _WGMMA_CHUNK_US = 3.05
 _WGMMA_FIXED_US = {1: 6.4, 2: 7.6, 4: 7.5, 8: 8.5}
 # K only bounds the valid counts from above. Where they run below K, cluster-mma's smaller

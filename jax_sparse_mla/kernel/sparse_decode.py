@@ -8,12 +8,15 @@ so chunk c + 1 is in flight while chunk c is computed; beyond the seed), compute
 FP8 mma.sync m16n8k32 (warp w: keys 8 w .. 8 w + 7 x 16 heads), runs an online softmax in
 log2 units with E4M3 P at 448 of the running max (FP32 sums of the unquantized P), and
 accumulates PV with FP8 mma.sync (warp w: latent columns 32 w .. 32 w + 31; V transposed in
-registers with byte permutes). The cluster then merges its partials in FP32 over
-distributed shared memory (st.async onto each column owner's mbarrier); CTA s writes columns
-s * cols .. s * cols + cols - 1 (cols = 512 / split) and, for s = 0, the LSE. With split = 1
-the "cluster" is the CTA itself: its partial goes through its own shared memory with plain
-stores and a CTA barrier (DSMEM needs a cluster of at least 2: compute-sanitizer rejects
-st.async in a 1-CTA cluster).
+registers with byte permutes). The cluster then merges its partials over distributed shared
+memory: each CTA writes O / l as F16 into an outbox in its (free) row buffers, one block of
+cols = 512 / split columns per CTA, and sends each peer its block with one bulk copy
+(cp.async.bulk shared::cta -> shared::cluster) and its (max, sum) stats with st.async, all
+completing on the receiver's mbarrier; CTA s merges columns s * cols .. s * cols + cols - 1
+in FP32 and writes them (s = 0: and the LSE). With split = 1 the "cluster" is the CTA itself:
+its FP32 partial goes through its own shared memory with plain stores and a CTA barrier
+(DSMEM needs a cluster of at least 2: compute-sanitizer rejects st.async in a 1-CTA
+cluster).
 
 Parameters are raw pointers and i32 sizes (the ABI: PARAMS in config.py). No size is
 static: the batch is the grid's y extent, and the cache rows, index width K, padded heads and
@@ -55,7 +58,6 @@ from jax_sparse_mla.kernel.config import (
     THREADS,
     WARPS,
     KernelConfig,
-    inbound_bytes,
 )
 from jax_sparse_mla.kernel.entry import DecodeKernel
 
@@ -88,6 +90,9 @@ class SparseDecode(DecodeKernel):
         self.per_lane = self.cols // 32
         self.piece = min(self.per_lane, 4)
         assert self.cols % 32 == 0 and self.per_lane % self.piece == 0 and self.piece % 2 == 0
+        # split > 1: F16 blocks of normalised partials, one per column owner, bulk-copied.
+        self.block = HEADS * self.cols * 2
+        self.inbound_bytes = (split - 1) * self.block + split * 2 * HEADS * 4
 
     @cute.kernel
     def kernel(
@@ -131,7 +136,7 @@ class SparseDecode(DecodeKernel):
         cute.arch.sync_threads()
         if cutlass.const_expr(self.clustered):
             if tid == 0:
-                ptx.mbarrier_arrive_expect_tx(inbound, inbound_bytes(self.split))
+                ptx.mbarrier_arrive_expect_tx(inbound, self.inbound_bytes)
             # Every CTA's inbound barrier is armed before any peer pushes (cluster_wait below).
             cute.arch.cluster_arrive_relaxed()
         # Nothing above reads the inputs: the kernel before may still be running.
@@ -289,22 +294,6 @@ class SparseDecode(DecodeKernel):
                         for e in cutlass.range_constexpr(4):
                             acc[j, e] = d[e]
 
-        # ---- push this CTA's partial to the column owners ---------------------------
-        owner = warp // (self.cols // 32)  # columns 32 w .. 32 w + 31
-        if cutlass.const_expr(self.clustered):
-            cute.arch.cluster_wait()
-            remote_inbound = ptx.map_peer(inbound, owner)
-        for r in cutlass.range_constexpr(2):
-            head = group + 8 * r
-            for e in cutlass.range_constexpr(2):
-                # acc[j, 2 r + e]: column 32 w + 8 q + 4 e + j
-                column = 32 * (warp % (self.cols // 32)) + 8 * quarter + 4 * e
-                dst = sInbox + ((part * HEADS + head) * self.cols + column) * 4
-                values = tuple(acc[j, 2 * r + e] for j in range(4))
-                if cutlass.const_expr(self.clustered):
-                    ptx.push_v4_f32(ptx.map_peer(dst, owner), values, remote_inbound)
-                else:
-                    ptx.store_shared_v4_f32(dst, values)
         # The sums of P: over the quad, then over the warps (sRed's sum half: free by now).
         sRedSum = sRed + QK_WARPS * HEADS * 4
         for r in cutlass.range_constexpr(2):
@@ -312,23 +301,54 @@ class SparseDecode(DecodeKernel):
                 l_part[r] = l_part[r] + cute.arch.shuffle_sync_bfly(l_part[r], offset=1 << shift)
             if quarter == 0:
                 ptx.store_shared_f32(sRedSum + (warp * HEADS + group + 8 * r) * 4, l_part[r])
-        cute.arch.sync_threads()
-        if (warp == 0) & (quarter == 0):
+        cute.arch.sync_threads()  # also: every warp is done with the last chunk's rows
+        l_run = []
+        for r in cutlass.range_constexpr(2):
+            total = ptx.load_shared_f32(sRedSum + (group + 8 * r) * 4)
+            for w in cutlass.range_constexpr(1, QK_WARPS):
+                total = total + ptx.load_shared_f32(sRedSum + (w * HEADS + group + 8 * r) * 4)
+            l_run.append(total)
+        if cutlass.const_expr(self.clustered):
+            # O / l as F16 blocks, one per column owner, in the (free) row buffers; each peer
+            # gets its block by one bulk copy, and every CTA the (max, sum) stats.
+            sOutbox = base + KV_OFFSET
+            self.fill_outbox(sOutbox, acc, l_run, warp, group, quarter)
+            ptx.fence_proxy_async_shared()  # the outbox is read by bulk copies
+            cute.arch.cluster_wait()  # every peer's inbound barrier is armed
+            cute.arch.sync_threads()  # the outbox is complete (racecheck models CTA barriers)
+            if tid == 0:
+                for step in cutlass.range_constexpr(1, self.split):
+                    peer = (part + step) % self.split
+                    ptx.copy_s2c(
+                        ptx.map_peer(sInbox + part * self.block, peer),
+                        sOutbox + peer * self.block,
+                        self.block,
+                        ptx.map_peer(inbound, peer),
+                    )
+            if (warp == 0) & (quarter == 0):
+                for r in cutlass.range_constexpr(2):
+                    self.push_stats(sStats, inbound, part, group + 8 * r, HEADS, m_run[r], l_run[r])
+            ptx.mbarrier_wait_cluster(inbound, 0)  # every source's block of these columns
+            # Every CTA has received everything: no outbox is read after this barrier.
+            cute.arch.cluster_arrive_relaxed()
+            self.merge_blocks(
+                mScales, mLatent, mLse, sOutbox, sInbox, sStats, tile, part, b, heads, tid
+            )
+            cute.arch.cluster_wait()  # no CTA exits while a copy still reads its outbox
+        else:
+            # split 1: the FP32 partial and stats through this CTA's own shared memory.
             for r in cutlass.range_constexpr(2):
                 head = group + 8 * r
-                l_run = ptx.load_shared_f32(sRedSum + head * 4)
-                for w in cutlass.range_constexpr(1, QK_WARPS):
-                    l_run = l_run + ptx.load_shared_f32(sRedSum + (w * HEADS + head) * 4)
-                if cutlass.const_expr(self.clustered):
-                    self.push_stats(sStats, inbound, part, head, HEADS, m_run[r], l_run)
-                else:
+                for e in cutlass.range_constexpr(2):
+                    # acc[j, 2 r + e]: column 32 w + 8 q + 4 e + j
+                    column = 32 * warp + 8 * quarter + 4 * e
+                    dst = sInbox + (head * self.cols + column) * 4
+                    ptx.store_shared_v4_f32(dst, tuple(acc[j, 2 * r + e] for j in range(4)))
+                if (warp == 0) & (quarter == 0):
                     ptx.store_shared_f32(sStats + head * 4, m_run[r])
-                    ptx.store_shared_f32(sStats + (HEADS + head) * 4, l_run)
-        if cutlass.const_expr(self.clustered):
-            ptx.mbarrier_wait_cluster(inbound, 0)  # every source's partial of these columns
-        else:
+                    ptx.store_shared_f32(sStats + (HEADS + head) * 4, l_run[r])
             cute.arch.sync_threads()  # the CTA's own partial and stats are in place
-        self.merge(mScales, mLatent, mLse, sInbox, sStats, tile, part, b, heads, tid)
+            self.merge(mScales, mLatent, mLse, sInbox, sStats, tile, part, b, heads, tid)
 
     @cute.jit
     def load_row(self, rows_base, limit, c, lane, slot):
@@ -385,6 +405,91 @@ class SparseDecode(DecodeKernel):
                 q_row, piece = flat // pieces, flat % pieces
                 w = words[i]
                 ptx.store_shared_v4(sQ + q_row * PITCH + 16 * piece, w[0], w[1], w[2], w[3])
+
+    @cute.jit
+    def fill_outbox(self, sOutbox, acc, l_run, warp, group, quarter):
+        """This CTA's O / l (0 for a head without live keys) as F16 into the outbox: each
+        thread's 8 consecutive columns 32 w + 8 q .. of heads group, group + 8 are one piece."""
+        for r in cutlass.range_constexpr(2):
+            head = group + 8 * r
+            inverse = ptx.where(l_run[r] != Float32(0.0), 1.0 / l_run[r], 0.0)
+            # acc[j, 2 r + e]: column 32 w + 8 q + 4 e + j
+            words = [
+                ptx.f16x2(acc[j, 2 * r + e] * inverse, acc[j + 1, 2 * r + e] * inverse)
+                for e in range(2)
+                for j in (0, 2)
+            ]
+            column = 32 * warp + 8 * quarter
+            dst = self.piece_at(sOutbox, column // self.cols, head, column % self.cols)
+            ptx.store_shared_v4(dst, *words)
+
+    def piece_at(self, region, block, head, column):
+        """Address of the 16-byte piece holding ``column`` (of a block's cols) of ``head`` in
+        block ``block`` of an outbox or inbox ([split, HEADS, cols] F16, pieces of a head row
+        XOR-swizzled by head % 8 against bank conflicts)."""
+        piece = (column // 8) ^ (head % 8)
+        return region + block * self.block + head * (self.cols * 2) + piece * 16
+
+    @cute.jit
+    def merge_blocks(
+        self,
+        mScales: cute.Pointer,
+        mLatent,
+        mLse,
+        sOutbox,
+        sInbox,
+        sStats,
+        tile,
+        part,
+        b,
+        heads,
+        tid,
+    ):
+        """Columns part * cols .. + cols of the 16 heads over the cluster's F16 blocks, weighted
+        by each source's sum at the common max, as BF16 (times out_scale), and the LSE (part 0):
+        thread t takes piece t % (cols / 8) (8 columns) of head t / (cols / 8)."""
+        pieces = self.cols // 8
+        if tid < HEADS * pieces:
+            out_scale = ptx.load_global_f32(mScales.toint() + 4)
+            neg_inf = Float32(-math.inf)
+            head, piece = tid // pieces, tid % pieces
+            top = neg_inf
+            for c in cutlass.range_constexpr(self.split):
+                m_src = sStats + (c * 2 * HEADS + head) * 4
+                top = cute.arch.fmax(top, ptx.load_shared_f32(m_src))
+            total = Float32(0.0)
+            merged = cute.make_rmem_tensor((8,), Float32)
+            merged.fill(0.0)
+            for c in cutlass.range_constexpr(self.split):
+                maximum = ptx.load_shared_f32(sStats + (c * 2 * HEADS + head) * 4)
+                partial_sum = ptx.load_shared_f32(sStats + ((c * 2 + 1) * HEADS + head) * 4)
+                rise = cute.math.exp2(maximum - top, fastmath=True)
+                # A source without live keys weighs 0 (a NaN sum still poisons the total).
+                weight = ptx.where(maximum != neg_inf, rise, 0.0) * partial_sum
+                total = total + weight
+                # Source c's block: in the inbox, or this CTA's own in its outbox.
+                source = ptx.where_i32(c == part, sOutbox + (part - c) * self.block, sInbox)
+                halves = ptx.load_shared_v4(self.piece_at(source, c, head, 8 * piece))
+                for e in cutlass.range_constexpr(4):
+                    low, high = ptx.f16x2_to_f32(halves[e])
+                    merged[2 * e] = merged[2 * e] + weight * low
+                    merged[2 * e + 1] = merged[2 * e + 1] + weight * high
+            # != rather than >: a NaN total (a NaN logit) must poison the LSE, not empty the row.
+            nonempty = total != Float32(0.0)
+            inverse = ptx.where(nonempty, out_scale / total, 0.0)
+            gh = Int64(b) * heads + tile * HEADS + head
+            col = part * self.cols + 8 * piece
+            words = [
+                ptx.bf16x2(merged[2 * e] * inverse, merged[2 * e + 1] * inverse) for e in range(4)
+            ]
+            ptx.store_global_v4(mLatent.toint() + (gh * LATENT + col) * 2, words)
+            if (part == 0) & (piece == 0):
+                lse2 = ptx.where(
+                    nonempty,
+                    top - Float32(LOG2_P_SCALE) + cute.math.log2(total, fastmath=False),
+                    neg_inf,
+                )
+                ptx.store_global_f32(mLse.toint() + gh * 4, lse2 * Float32(LN2))
 
     @cute.jit
     def merge(

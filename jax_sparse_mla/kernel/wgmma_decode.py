@@ -146,18 +146,25 @@ class WgmmaDecode(DecodeKernel):
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
+        # This CTA's keys are part, part + split, ... of the row: where their indices lie does
+        # not depend on the count, so chunk 0's and 1's indices are read together with it (in
+        # bounds of rows[b]) and masked once it has arrived: one global latency, not two.
+        rows_base = mRows.toint() + (Int64(b) * width + part) * 4
+        reach = (width - part + self.split - 1) // self.split  # this CTA's positions in rows[b]
+        row = self.load_row(rows_base, reach, 0, tid)
+        row_next = self.load_row(rows_base, reach, 1, tid)
         n = ptx.load_global_i32(mValid.toint() + Int64(b) * 4)
         n = max(min(n, width), Int32(0))
-        # This CTA's keys: part, part + split, ... of the row's n.
         mine = (n - part + self.split - 1) // self.split
         chunks = (mine + WG_KEYS - 1) // WG_KEYS
-        rows_base = mRows.toint() + (Int64(b) * width + part) * 4
+        my_key = tid // COPIERS  # this thread's key of chunk 0
+        row = ptx.where_i32(my_key < mine, row, -1)
+        row_next = ptx.where_i32(WG_KEYS + my_key < mine, row_next, -1)
         # This thread's pieces of its key of the next chunk, loaded a chunk ahead of their
         # widening; row indices are loaded a chunk ahead of those loads.
         staged = cute.make_rmem_tensor((MINE * 4,), Int32)
-        row = self.load_row(rows_base, mine, 0, tid)
         live = self.fetch(mKV, row, n_rows, row_bytes, staged, tid)
-        row = self.load_row(rows_base, mine, 1, tid)
+        row = row_next
         # The last tile may be partial (Hp a multiple of 16): missing heads get a zero Q row
         # (their S is 0, their output is not written).
         q_base = mQ.toint() + Int64(b) * heads * ROW
