@@ -139,11 +139,11 @@ def test_lowering_emits_custom_call_with_cubin(fake_kernel):
         (5, 96, 256, KernelConfig(split=4)),  # latency-h96: 8.7 us (split 2 9.4)
         (5, 128, 256, KernelConfig(split=2)),  # latency-h128: 40 clusters of 4 take 2 waves
         (5, 96, 1024, KernelConfig(split=4)),  # wgmma split 8 not predicted 15% faster
-        (5, 96, 2048, KernelConfig(split=4)),  # 8.7 us at 256 valid keys (wgmma s8 9.9)
-        (5, 128, 2048, KernelConfig("wgmma", 8)),  # rank-full: 19.8 us (split 2 39.7)
-        (16, 128, 2048, KernelConfig("wgmma", 2)),  # 58.4 us (cluster-mma split 1 73.9)
-        (32, 128, 2048, KernelConfig("wgmma", 2)),  # 64.3 us (wgmma split 1 111.9)
-        (64, 128, 2048, KernelConfig("wgmma", 1)),  # throughput: 115.0 us (split 2 131.6)
+        (5, 96, 2048, KernelConfig(split=4)),  # 7.4 us at 256 valid keys (wgmma s8 10.2)
+        (5, 128, 2048, KernelConfig("wgmma", 8)),  # rank-full: 18.6 us (split 2 39.0)
+        (16, 128, 2048, KernelConfig("wgmma", 2)),  # 50.4 us (cluster-mma split 1 74.8)
+        (32, 128, 2048, KernelConfig("wgmma", 2)),  # 53.7 us (wgmma split 1 101.3)
+        (64, 128, 2048, KernelConfig("wgmma", 1)),  # throughput: 105.9 us (split 2 110.1)
         (64, 128, 128, KernelConfig(split=1)),  # one chunk per row
         (5, 96, 128, KernelConfig(split=1)),  # one chunk per row: no cluster
         (1, 16, 8, KernelConfig(split=1)),
@@ -155,7 +155,7 @@ def test_lowering_emits_custom_call_with_cubin(fake_kernel):
 )
 def test_lowering_follows_the_dispatch_rule(fake_kernel, batch, heads, width, config):
     """Without a GPU the rule assumes the H200's 132 SMs; the comments give the H200's
-    measured times (BENCHMARKS.md, session 6) behind each pick."""
+    measured times (BENCHMARKS.md, sessions 6 and 7) behind each pick."""
     args = _args(batch=batch, heads=heads, width=width)
     (attrs,) = _custom_call_attributes(_cuda_text("cute", args))
     assert attrs["cluster"] == [config.split, 1, 1]
@@ -191,10 +191,10 @@ def test_predicted_times_follow_the_measured_order():
         return dispatch.predicted_us(config, batch, heads, width, 132)
 
     wgmma = [KernelConfig("wgmma", s) for s in (1, 2, 4, 8)]
-    # rank-full: 103.8, 57.5, 30.9, 19.8 us.
+    # rank-full: 93.7, 49.8, 28.1, 18.6 us.
     times = [us(c, 5, 128, 2048) for c in wgmma]
     assert times == sorted(times, reverse=True)
-    # throughput: split 1 (one wave) 116.0 before split 2 (two waves) 131.6.
+    # throughput: split 1 (one wave) 105.9 before split 2 (two waves) 110.1.
     assert us(wgmma[0], 64, 128, 2048) < us(wgmma[1], 64, 128, 2048)
 
 

@@ -98,16 +98,16 @@ def test_sass(cubin_path, config):
         counts[op.split(".")[0]] = counts.get(op.split(".")[0], 0) + 1
     assert "LDL" not in counts and "STL" not in counts, "local-memory spills"
     if config.variant == "wgmma":
-        # Per 64-key chunk and warpgroup: QK 36 k16 steps of m64n32 (its 32 keys), PV 4 k16
-        # steps of m64n256 (its 256 columns), F16.
-        assert counts.get("HGMMA", 0) == 36 + 4, counts
+        # Per 64-key chunk: warpgroup 0's QK, 36 k16 steps of m64n64 (all 64 keys); each
+        # warpgroup's PV (its own loop), 4 k16 steps of m64n256 (its 256 columns); F16.
+        assert counts.get("HGMMA", 0) == 36 + 2 * 4, counts
         assert "HMMA" not in counts and "QGMMA" not in counts
-        # One arrive and one wait per group (QK, PV): ptxas did not serialise the wgmmas.
-        assert counts.get("WARPGROUP", 0) == 4, counts.get("WARPGROUP")
+        # One arrive and one wait per group (QK, two PVs): ptxas did not serialise the wgmmas.
+        assert counts.get("WARPGROUP", 0) == 6, counts.get("WARPGROUP")
         assert "LDG.E.128" in sass and "LDGSTS" not in counts  # gathers through registers
-        assert len(re.findall(r"HGMMA\.64x32x16\.F32 R\d+, gdesc\[UR\d+\]", sass)) == 36
+        assert len(re.findall(r"HGMMA\.64x64x16\.F32 R\d+, gdesc\[UR\d+\]", sass)) == 36
         # PV: B (V) read MN-major from shared memory.
-        assert len(re.findall(r"HGMMA\.64x256x16\.F32 R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 4
+        assert len(re.findall(r"HGMMA\.64x256x16\.F32 R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 8
         if config.split > 1:  # the cluster merge: st.async pushes over DSMEM
             assert counts.get("STAS", 0) >= 1 and "UCGABAR_WAIT" in counts, counts
         else:

@@ -68,7 +68,7 @@ class KernelUnavailableError(RuntimeError):
 
 # ---- the wgmma variant (wgmma_decode.py) -------------------------------------------------
 WG_HEADS = 64  # query heads per CTA: wgmma's M
-WG_THREADS = 256  # two warpgroups: each takes half the keys of S and half the columns of O
+WG_THREADS = 256  # warpgroup 0: S and softmax, 1: loads and widening; each half of O
 WG_KEYS = 64  # keys per chunk
 WG_ATOM = 128  # bytes per row of a 128-byte-swizzle atom (8 rows)
 WG_STAGES = 2  # F16 K tiles: chunk c + 1 is widened in while chunk c is computed
@@ -78,8 +78,8 @@ WG_Q_OFFSET = 0  # Q as F16, swizzled K-major
 WG_K_OFFSET = WG_Q_OFFSET + WG_F16_TILE  # [WG_STAGES] K as F16, swizzled K-major; the first
 # LATENT columns, read MN-major, are V
 WG_P_OFFSET = WG_K_OFFSET + WG_STAGES * WG_F16_TILE  # P [WG_HEADS, WG_KEYS] F16, K-major
-WG_RED_OFFSET = WG_P_OFFSET + WG_HEADS * WG_KEYS * 2  # [2, WG_HEADS] f32: per-warpgroup
-# row maxima (each chunk), then row sums (the end)
+WG_RED_OFFSET = WG_P_OFFSET + WG_HEADS * WG_KEYS * 2  # [2, WG_HEADS] f32: each chunk's
+# rescale factors, then (the end) the row sums, from warpgroup 0 to warpgroup 1
 WG_LIVE_OFFSET = WG_RED_OFFSET + 2 * WG_HEADS * 4  # [WG_STAGES, WG_KEYS] i32: key read (1)
 WG_BAR_OFFSET = WG_LIVE_OFFSET + WG_STAGES * WG_KEYS * 4  # u64 mbarrier: the merge's inbound
 WG_SMEM_BYTES = WG_BAR_OFFSET + 16

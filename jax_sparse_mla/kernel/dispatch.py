@@ -2,12 +2,11 @@
 
 The rule sees only static shapes (rows B, padded heads Hp, index width K) and the GPU's SM
 count. It predicts each config's time from per-CTA costs fitted to
-`benchmarks/bench_decode.py --configs s1 s2 s4 s8 wgmma1 wgmma2 wgmma4 wgmma8` (BENCHMARKS.md,
-2026-11-30, H200). At the benchmarked shapes it picks the config that measured fastest or one
-within 0.7 us or 4% of it, except where the valid counts are far below K (the counts are only
-known on the GPU) and where all 2048 keys are valid and wgmma wins by under 15%, which the
-margin below leaves to cluster-mma (B=5, H=96: 23.1 us vs wgmma split 8 19.7; B=2, H=128:
-21.9 vs 18.8).
+`benchmarks/bench_decode.py --configs ...` (BENCHMARKS.md, 2026-11-30, H200). At the
+benchmarked shapes it picks the config that measured fastest or one within 0.7 us or 4% of
+it, except where the valid counts are far below K (the counts are only known on the GPU) and
+where all 2048 keys are valid and wgmma wins by under 20%, which the margin below leaves to
+cluster-mma (B=5, H=96: 21.8 us vs wgmma split 8 18.6).
 """
 
 from __future__ import annotations
@@ -20,16 +19,18 @@ H200_SMS = 132  # assumed when lowering for CUDA without a local GPU (jax.export
 # keys of the CTA's share, plus a fixed part that grows with the merge (split 1: 12.5 at 256
 # keys; split 2: 7.5-7.9 at 128 keys per CTA, 39.1 at 1024; split 4: 7.1-7.4 at 64, 21.8 at
 # 512; split 8: 13.1 in two waves at 32).
-# wgmma: ~3.05 per 64-key chunk plus a fixed part (split 1: 18.8 at 256 keys, 103.7 at 2048;
-# split 8: 19.8 at 256 keys per CTA; the merge's bulk copies ~1-2).
+# wgmma (session 7's, warpgroup 0 on S): ~2.75 per 64-key chunk plus a fixed part (split 1:
+# 17.9 at 256 keys, 93.7 at 2048; split 2: 11.7 at 128 keys per CTA, 49.8 at 1024; split 4:
+# 9.5 at 64, 28.1 at 512; split 8: 9.4 at 32, 18.6 at 256).
 _MMA_PER_64_KEYS_US = 2.3
 _MMA_FIXED_US = {1: 3.0, 2: 3.0, 4: 4.2, 8: 4.3}
-_WGMMA_CHUNK_US = 3.05
-_WGMMA_FIXED_US = {1: 6.4, 2: 7.6, 4: 7.5, 8: 8.5}
+_WGMMA_CHUNK_US = 2.75
+_WGMMA_FIXED_US = {1: 7.0, 2: 6.0, 4: 6.5, 8: 7.5}
 # K only bounds the valid counts from above. Where they run below K, cluster-mma's smaller
-# fixed cost wins back (B=5, H=96, 256 of 2048 keys: 8.7 us at cluster-mma split 4, 9.9 at
-# wgmma split 8), so wgmma must be predicted at least 15% faster at K.
-_WGMMA_MARGIN = 0.85
+# fixed cost wins back (B=5, H=96, 256 of 2048 keys: 7.4 us at cluster-mma split 4, 10.2 at
+# wgmma split 8; all 2048 valid: 21.8 and 18.6), so wgmma must be predicted at least 20%
+# faster at K.
+_WGMMA_MARGIN = 0.8
 
 
 def active_clusters(split: int, sm_count: int) -> int:
@@ -65,11 +66,11 @@ def choose_config(
       cluster would only add its merge (B=5, H=96, 32-128 keys: 6.8-7.7 us at split 1,
       8.3-8.5 at 4).
     - Else each variant's split with the smallest predicted time (``predicted_us``; ties to
-      the larger split), and wgmma's only where it is predicted 15% faster than
+      the larger split), and wgmma's only where it is predicted 20% faster than
       cluster-mma's (``_WGMMA_MARGIN``). Measured (us, the pick first): latency-h96 (256 of
-      2048 keys) cluster-mma s4 8.7 (wgmma s8 9.9); rank-full (B=5, H=128, 2048 keys) wgmma
-      s8 19.8 (cluster-mma s2 39.7); B=16 wgmma s2 58.4 (s8 56.4, cluster-mma s1 73.9);
-      B=32 wgmma s2 64.3 (s1 111.9); throughput (B=64) wgmma s1 115.0 (s2 131.6).
+      2048 keys) cluster-mma s4 7.4 (wgmma s8 10.2); rank-full (B=5, H=128, 2048 keys) wgmma
+      s8 18.6 (cluster-mma s2 39.0); B=16 wgmma s2 50.4 (s8 52.4, cluster-mma s1 74.8);
+      B=32 wgmma s2 53.7 (s1 101.3); throughput (B=64) wgmma s1 105.9 (s2 110.1).
     """
     if width <= CHUNK:
         return KernelConfig(split=1)

@@ -250,6 +250,14 @@ def bf16x2(low, high, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def barrier_sync(barrier: int, threads: int, *, loc=None, ip=None) -> None:
+    """barrier.sync (not .aligned) on named barrier ``barrier`` for ``threads`` threads: the
+    threads may reach it from different instructions (warp-specialised loops); bar.sync
+    (__syncthreads) requires one instruction for the whole CTA."""
+    _asm(None, [], f"barrier.sync {barrier}, {threads};", "~{memory}", True, loc, ip)
+
+
+@dsl_user_op
 def sync_count(predicate, *, loc=None, ip=None) -> Int32:
     """__syncthreads_count: a CTA barrier that returns how many threads passed ``predicate``."""
     code = "{ .reg .pred p; setp.ne.b32 p, $1, 0; bar.red.popc.u32 $0, 0, p; }"

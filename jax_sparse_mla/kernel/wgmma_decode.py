@@ -1,16 +1,20 @@
 """Sparse MLA decode on warpgroup MMA (wgmma) for Hopper (sm_90a), in CuTe DSL.
 
-The throughput variant: one CTA per (64 heads, row b) at split 1, two warpgroups. Per chunk
-of WG_KEYS keys the 256 threads load the cache rows with 16-byte loads into registers a chunk
-ahead, and widen them to F16 (exact: E4M3 is a subset of F16) into one of WG_STAGES 128-byte-
-swizzled K-major tiles while the tensor cores compute S of the chunk before. Warpgroup g computes
-S = Q K^T for all 64 heads and keys 32 g .. 32 g + 31 (wgmma m64n32k16 F16 -> FP32, both
-operands in shared memory, Q widened once); the two exchange their row maxima through shared
-memory, so both scale P by the same running max (online softmax in log2 units, FP32), and
-write P as F16 into a shared tile. Then warpgroup g accumulates O's latent columns
-256 g .. 256 g + 255 over all the chunk's keys: wgmma m64n256k16, A = P, B = the F16 tile's
-first 512 columns read MN-major (V). Dead keys (past the count, rows outside [0, n_rows)) get
-S = -inf and a zero row.
+The throughput variant: one CTA per (64 heads, row b) at split 1, two warpgroups with
+different jobs. Warpgroup 1 loads the cache rows of chunk c + 2 (WG_KEYS keys) with 16-byte
+loads into registers and widens those of chunk c + 1 to F16 (exact: E4M3 is a subset of F16)
+into one of WG_STAGES 128-byte-swizzled K-major tiles, while warpgroup 0 computes S = Q K^T of
+chunk c for all 64 heads and keys (wgmma m64n64k16 F16 -> FP32, both operands in shared
+memory, Q widened once and read once per chunk), runs the online softmax over whole rows (log2
+units, FP32) and writes P as F16 and each head's rescale factor into shared memory. Then
+warpgroup g accumulates O's latent columns 256 g .. 256 g + 255 over the chunk's keys: wgmma
+m64n256k16, A = P, B = the F16 tile's first 512 columns read MN-major (V). Dead keys (past
+the count, rows outside [0, n_rows)) get S = -inf and a zero row. The two warpgroups run
+separate loops that meet at two CTA barriers per chunk (chunk c widened / P of chunk c
+written). A first build had both warpgroups widen and each compute S for 32 keys (m64n32,
+exchanging row maxima): Q was read from shared memory twice per chunk and the widening
+stalled the warps that issue the MMAs; throughput (B=64, H=128, 2048 keys) ran 115.7 us, this
+design 105.9 (H200, same run).
 
 Split > 1 (KernelConfig("wgmma", split)): a cluster of split CTAs per (64 heads, row b), CTA
 ``part`` taking keys part, part + split, ... of the row. After the chunk loop each CTA writes
@@ -67,15 +71,16 @@ from jax_sparse_mla.kernel.entry import DecodeKernel
 
 PIECES = ROW // 16  # 16-byte pieces of an FP8 row
 K_STEPS = ROW // 16  # QK's k16 steps
-COPIERS = WG_THREADS // WG_KEYS  # threads per gathered row
-MINE = PIECES // COPIERS  # 16-byte pieces per thread and chunk: piece sub + COPIERS i
 WG_COLS = LATENT // 2  # latent columns per warpgroup
-WG_SPAN = WG_KEYS // 2  # keys of S per warpgroup
-S_VALUES = WG_SPAN // 2  # S accumulators per thread (m64n32)
+S_VALUES = WG_KEYS // 2  # S accumulators per thread of warpgroup 0 (m64n64)
+LOADERS = WG_THREADS // 2  # warpgroup 1 loads and widens the cache rows
+COPIERS = LOADERS // WG_KEYS  # loaders per cache row
+MINE = PIECES // COPIERS  # 16-byte pieces per loader and chunk: piece sub + COPIERS i
 O_VALUES = WG_COLS // 2  # O accumulators per thread (m64n256)
 ATOM_SPAN = WG_KEYS * WG_ATOM  # bytes between column atoms of a tile
 SWIZZLE_128B = 1
-assert PIECES % COPIERS == 0 and WG_HEADS * PIECES % WG_THREADS == 0
+LOOP_BARRIER = 1  # the named barrier of the two warpgroups' loops (0 is __syncthreads')
+assert COPIERS == 2 and PIECES % COPIERS == 0 and WG_HEADS * PIECES % WG_THREADS == 0
 
 
 def f16_offset(row, column):
@@ -126,14 +131,16 @@ class WgmmaDecode(DecodeKernel):
         base = smem.allocate(WG_SMEM_BYTES, 1024).toint()
         sQ, sK, sLive = base + WG_Q_OFFSET, base + WG_K_OFFSET, base + WG_LIVE_OFFSET
         sP, sRed = base + WG_P_OFFSET, base + WG_RED_OFFSET
+        sAlpha, sTotals = sRed, sRed + WG_HEADS * 4  # [WG_HEADS] f32 each
         inbound = base + WG_BAR_OFFSET
 
         tid, _, _ = cute.arch.thread_idx()
         x, b, _ = cute.arch.block_idx()
         tile, part = x // self.split, x % self.split
-        group = tid // 128  # the warpgroup: keys 32 group .. of S, columns 256 group .. of O
+        group = tid // 128  # 0: S, softmax, P; 1: loads and widening. O columns 256 group ..
         warp, lane = (tid % 128) // 32, tid % 32
         quad = lane % 4
+        loader = tid - (WG_THREADS - LOADERS)  # warpgroup 1's thread index
         neg_inf = Float32(-math.inf)
         if cutlass.const_expr(self.clustered):
             if tid == 0:
@@ -146,24 +153,24 @@ class WgmmaDecode(DecodeKernel):
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
-        # This CTA's keys are part, part + split, ... of the row: where their indices lie does
-        # not depend on the count, so chunk 0's and 1's indices are read together with it (in
-        # bounds of rows[b]) and masked once it has arrived: one global latency, not two.
+        # Chunk 0's and 1's row indices are read together with the count (in bounds of
+        # rows[b]) and masked once it has arrived; warpgroup 0 reads none (row -1).
         rows_base = mRows.toint() + (Int64(b) * width + part) * 4
         reach = (width - part + self.split - 1) // self.split  # this CTA's positions in rows[b]
-        row = self.load_row(rows_base, reach, 0, tid)
-        row_next = self.load_row(rows_base, reach, 1, tid)
+        row = Int32(-1)
+        row_next = Int32(-1)
+        if group == 1:
+            row = self.load_row(rows_base, reach, 0, loader)
+            row_next = self.load_row(rows_base, reach, 1, loader)
         n = ptx.load_global_i32(mValid.toint() + Int64(b) * 4)
         n = max(min(n, width), Int32(0))
         mine = (n - part + self.split - 1) // self.split
         chunks = (mine + WG_KEYS - 1) // WG_KEYS
-        my_key = tid // COPIERS  # this thread's key of chunk 0
+        my_key = loader // COPIERS  # this loader's key of chunk 0
         row = ptx.where_i32(my_key < mine, row, -1)
         row_next = ptx.where_i32(WG_KEYS + my_key < mine, row_next, -1)
-        # This thread's pieces of its key of the next chunk, loaded a chunk ahead of their
-        # widening; row indices are loaded a chunk ahead of those loads.
         staged = cute.make_rmem_tensor((MINE * 4,), Int32)
-        live = self.fetch(mKV, row, n_rows, row_bytes, staged, tid)
+        live = self.fetch(mKV, row, n_rows, row_bytes, staged, loader)  # warpgroup 0: none
         row = row_next
         # The last tile may be partial (Hp a multiple of 16): missing heads get a zero Q row
         # (their S is 0, their output is not written).
@@ -178,9 +185,10 @@ class WgmmaDecode(DecodeKernel):
             flat = tid + WG_THREADS * i
             head = tile * WG_HEADS + flat // PIECES
             self.widen_piece(q_words[i], head < heads, sQ, flat // PIECES, flat % PIECES)
-        self.widen(staged, live, sK, sLive, tid)  # chunk 0
-        live = self.fetch(mKV, row, n_rows, row_bytes, staged, tid)  # chunk 1
-        row = self.load_row(rows_base, mine, 2, tid)
+        if group == 1:
+            self.widen(staged, live, sK, sLive, loader)  # chunk 0
+            live = self.fetch(mKV, row, n_rows, row_bytes, staged, loader)  # chunk 1
+            row = self.load_row(rows_base, mine, 2, loader)
         ptx.fence_proxy_async_shared()  # Q and chunk 0 are read by wgmma
         scale_log2 = ptx.load_global_f32(mScales.toint())
 
@@ -190,105 +198,58 @@ class WgmmaDecode(DecodeKernel):
         l_part.fill(0.0)
         acc = cute.make_rmem_tensor((O_VALUES,), Float32)
         acc.fill(0.0)
-        for c in cutlass.range(0, chunks, unroll=1):
-            stage = c % WG_STAGES
-            sKc, sLivec = sK + stage * WG_F16_TILE, sLive + stage * (WG_KEYS * 4)
-            # Chunk c widened by all threads; chunk c - 1's wgmmas are done with the other tile.
-            cute.arch.sync_threads()
-            # S value v belongs to key 32 group + 8 (v / 4) + 2 quad + v % 2: bit 2 (v / 4) + v % 2.
-            live_bits = Int32(0)
-            for i in cutlass.range_constexpr(S_VALUES // 2):
-                key = WG_SPAN * group + 8 * (i // 2) + 2 * quad + i % 2
-                live_bits = live_bits | (ptx.load_shared_u32(sLivec + 4 * key) << i)
-
-            # ---- S = Q K^T for this warpgroup's keys (async), while chunk c + 1 is widened --
-            ptx.wgmma_fence()
-            s = [Float32(0.0)] * S_VALUES
-            keys16 = sKc + group * (WG_SPAN // 8) * (8 * WG_ATOM)
-            for k in cutlass.range_constexpr(K_STEPS):
-                offset = (k // 4) * ATOM_SPAN + (k % 4) * 32
-                s = ptx.wgmma_f16_ss(
-                    s,
-                    ptx.smem_descriptor(sQ + offset, 16, 8 * WG_ATOM, SWIZZLE_128B),
-                    ptx.smem_descriptor(keys16 + offset, 16, 8 * WG_ATOM, SWIZZLE_128B),
-                    k > 0,
+        # The warpgroups run separate loops (meeting at two named barriers per chunk),
+        # so that the staged rows (warpgroup 1) and S (warpgroup 0) never share registers.
+        if group == 0:
+            for c in cutlass.range(0, chunks, unroll=1):
+                stage = c % WG_STAGES
+                sKc, sLivec = sK + stage * WG_F16_TILE, sLive + stage * (WG_KEYS * 4)
+                # Chunk c is widened; both warpgroups are done with chunk c - 1 (tile, P).
+                ptx.barrier_sync(LOOP_BARRIER, WG_THREADS)
+                self.softmax_chunk(
+                    sQ, sKc, sLivec, sP, sAlpha, scale_log2, m_run, l_part, acc, warp, lane
                 )
-            ptx.wgmma_commit()
-            if c + 1 < chunks:
-                other = (c + 1) % WG_STAGES
-                self.widen(
-                    staged, live, sK + other * WG_F16_TILE, sLive + other * (WG_KEYS * 4), tid
-                )
-                ptx.fence_proxy_async_shared()  # chunk c + 1 is read by wgmma
-                live = self.fetch(mKV, row, n_rows, row_bytes, staged, tid)  # chunk c + 2
-                row = self.load_row(rows_base, mine, c + 3, tid)
-            ptx.wgmma_wait(0)
-            s = ptx.pin_f32(s)
+                # P and the rescale factors of chunk c are in place.
+                ptx.barrier_sync(LOOP_BARRIER, WG_THREADS)
+                self.accumulate(acc, sP, sKc, 0)
+        else:
+            for c in cutlass.range(0, chunks, unroll=1):
+                stage = c % WG_STAGES
+                sKc = sK + stage * WG_F16_TILE
+                ptx.barrier_sync(LOOP_BARRIER, WG_THREADS)
+                if c + 1 < chunks:
+                    other = (c + 1) % WG_STAGES
+                    self.widen(
+                        staged,
+                        live,
+                        sK + other * WG_F16_TILE,
+                        sLive + other * (WG_KEYS * 4),
+                        loader,
+                    )
+                    ptx.fence_proxy_async_shared()  # chunk c + 1 is read by wgmma
+                    live = self.fetch(mKV, row, n_rows, row_bytes, staged, loader)  # c + 2
+                    row = self.load_row(rows_base, mine, c + 3, loader)
+                ptx.barrier_sync(LOOP_BARRIER, WG_THREADS)
+                for r in cutlass.range_constexpr(2):
+                    alpha = ptx.load_shared_f32(sAlpha + (16 * warp + lane // 4 + 8 * r) * 4)
+                    for v in cutlass.range_constexpr(r * 2, O_VALUES, 4):
+                        acc[v] = acc[v] * alpha
+                        acc[v + 1] = acc[v + 1] * alpha
+                self.accumulate(acc, sP, sKc, 1)
 
-            # ---- online softmax (log2 units) ---------------------------------------------
-            # S value v: head 16 warp + lane / 4 + 8 r (r = (v / 2) % 2), key as live_bits.
-            for v in cutlass.range_constexpr(S_VALUES):
-                alive = (live_bits & (1 << (2 * (v // 4) + v % 2))) != 0
-                s[v] = ptx.where(alive, s[v] * scale_log2, neg_inf)
+        # The row sums (warpgroup 0's) to both warpgroups, through sTotals (sAlpha may still
+        # be read by warpgroup 1 for the last chunk).
+        if group == 0:
             for r in cutlass.range_constexpr(2):
-                top = neg_inf
-                for v in cutlass.range_constexpr(r * 2, S_VALUES, 4):
-                    top = cute.arch.fmax(top, cute.arch.fmax(s[v], s[v + 1]))
+                total = l_part[r]
                 for shift in cutlass.range_constexpr(2):
-                    top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=1 << shift))
+                    total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << shift)
                 if quad == 0:
-                    head = 16 * warp + lane // 4 + 8 * r
-                    ptx.store_shared_f32(sRed + (group * WG_HEADS + head) * 4, top)
-            cute.arch.sync_threads()  # both warpgroups' row maxima
-            alpha = cute.make_rmem_tensor((2,), Float32)
-            for r in cutlass.range_constexpr(2):
-                head = 16 * warp + lane // 4 + 8 * r
-                top = cute.arch.fmax(
-                    ptx.load_shared_f32(sRed + head * 4),
-                    ptx.load_shared_f32(sRed + (WG_HEADS + head) * 4),
-                )
-                m_new = cute.arch.fmax(m_run[r], top)
-                # A row with no live key so far keeps max -inf; subtract 0 instead (no NaN).
-                m_use = ptx.where(m_new == neg_inf, 0.0, m_new)
-                alpha[r] = cute.math.exp2(m_run[r] - m_use, fastmath=True)
-                total = Float32(0.0)
-                for v in cutlass.range_constexpr(S_VALUES):
-                    if cutlass.const_expr((v // 2) % 2 == r):
-                        s[v] = cute.math.exp2(s[v] - m_use, fastmath=True)
-                        total = total + s[v]
-                l_part[r] = l_part[r] * alpha[r] + total
-                m_run[r] = m_new
-            for v in cutlass.range_constexpr(O_VALUES):
-                acc[v] = acc[v] * alpha[(v // 2) % 2]
-
-            # P as F16 into sP (row head, this warpgroup's keys): value pairs v, v + 1.
-            for v in cutlass.range_constexpr(0, S_VALUES, 2):
-                head = 16 * warp + lane // 4 + 8 * ((v // 2) % 2)
-                key = WG_SPAN * group + 8 * (v // 4)
-                dst = sP + f16_offset(head, key) + 4 * quad
-                ptx.store_shared_u32(dst, ptx.f16x2(s[v], s[v + 1]))
-            ptx.fence_proxy_async_shared()  # P is read by wgmma
-            cute.arch.sync_threads()  # P complete; row maxima read (sRed reusable)
-
-            # ---- O += P V: P (sP) x V (the F16 tile, MN-major) -----------------------------
-            o = ptx.pin_f32([acc[v] for v in range(O_VALUES)])
-            ptx.wgmma_fence()
-            for j in cutlass.range_constexpr(WG_KEYS // 16):
-                v_tile = sKc + group * (WG_COLS // 64) * ATOM_SPAN + j * 16 * WG_ATOM
-                o = ptx.wgmma_f16_ss(
-                    o,
-                    ptx.smem_descriptor(sP + 32 * j, 16, 8 * WG_ATOM, SWIZZLE_128B),
-                    ptx.smem_descriptor(v_tile, ATOM_SPAN, 8 * WG_ATOM, SWIZZLE_128B),
-                    True,
-                    transpose_b=True,
-                )
-            ptx.wgmma_commit()
-            ptx.wgmma_wait(0)
-            o = ptx.pin_f32(o)
-            for v in cutlass.range_constexpr(O_VALUES):
-                acc[v] = o[v]
-
-        totals = self.row_sums(sRed, l_part, tid)
+                    ptx.store_shared_f32(sTotals + (16 * warp + lane // 4 + 8 * r) * 4, total)
+        cute.arch.sync_threads()
+        totals = [
+            ptx.load_shared_f32(sTotals + (16 * warp + lane // 4 + 8 * r) * 4) for r in range(2)
+        ]
         if cutlass.const_expr(self.clustered):
             sOutbox, sInbox = base + WG_OUTBOX_OFFSET, base + WG_INBOX_OFFSET
             sStats = base + WG_STATS_OFFSET
@@ -311,37 +272,128 @@ class WgmmaDecode(DecodeKernel):
             self.epilogue(mScales, mLatent, mLse, acc, m_run, totals, tile, b, heads, tid)
 
     @cute.jit
-    def load_row(self, rows_base, mine, c, tid):
-        """The row index of this thread's key in chunk c: rows[b, part + split j] for
-        j = c WG_KEYS + tid / COPIERS, or -1 from ``mine`` on (nothing read)."""
-        j = c * WG_KEYS + tid // COPIERS
+    def accumulate(self, acc, sP, sKc, group: cutlass.Constexpr[int]):
+        """O += P V for warpgroup ``group``'s 256 columns: P (sP) x V (the F16 tile sKc,
+        MN-major)."""
+        o = ptx.pin_f32([acc[v] for v in range(O_VALUES)])
+        ptx.wgmma_fence()
+        for j in cutlass.range_constexpr(WG_KEYS // 16):
+            v_tile = sKc + group * (WG_COLS // 64) * ATOM_SPAN + j * 16 * WG_ATOM
+            o = ptx.wgmma_f16_ss(
+                o,
+                ptx.smem_descriptor(sP + 32 * j, 16, 8 * WG_ATOM, SWIZZLE_128B),
+                ptx.smem_descriptor(v_tile, ATOM_SPAN, 8 * WG_ATOM, SWIZZLE_128B),
+                True,
+                transpose_b=True,
+            )
+        ptx.wgmma_commit()
+        ptx.wgmma_wait(0)
+        o = ptx.pin_f32(o)
+        for v in cutlass.range_constexpr(O_VALUES):
+            acc[v] = o[v]
+
+    @cute.jit
+    def softmax_chunk(
+        self, sQ, sKc, sLivec, sP, sAlpha, scale_log2, m_run, l_part, acc, warp, lane
+    ):
+        """Warpgroup 0's part of a chunk: S over its 64 keys, the online softmax (log2
+        units), this warpgroup's O rescaled, P as F16 into sP and the rescale factors into
+        sAlpha (for warpgroup 1)."""
+        quad = lane % 4
+        neg_inf = Float32(-math.inf)
+        # S value v belongs to key 8 (v / 4) + 2 quad + v % 2: bit 2 (v / 4) + v % 2.
+        live_bits = Int32(0)
+        for i in cutlass.range_constexpr(S_VALUES // 2):
+            key = 8 * (i // 2) + 2 * quad + i % 2
+            live_bits = live_bits | (ptx.load_shared_u32(sLivec + 4 * key) << i)
+        ptx.wgmma_fence()
+        s = [Float32(0.0)] * S_VALUES
+        for k in cutlass.range_constexpr(K_STEPS):
+            offset = (k // 4) * ATOM_SPAN + (k % 4) * 32
+            s = ptx.wgmma_f16_ss(
+                s,
+                ptx.smem_descriptor(sQ + offset, 16, 8 * WG_ATOM, SWIZZLE_128B),
+                ptx.smem_descriptor(sKc + offset, 16, 8 * WG_ATOM, SWIZZLE_128B),
+                k > 0,
+            )
+        ptx.wgmma_commit()
+        ptx.wgmma_wait(0)
+        s = ptx.pin_f32(s)
+        # S value v: head 16 warp + lane / 4 + 8 r (r = (v / 2) % 2), key as live_bits.
+        for v in cutlass.range_constexpr(S_VALUES):
+            alive = (live_bits & (1 << (2 * (v // 4) + v % 2))) != 0
+            s[v] = ptx.where(alive, s[v] * scale_log2, neg_inf)
+        alpha = []
+        for r in cutlass.range_constexpr(2):
+            top = neg_inf
+            for v in cutlass.range_constexpr(r * 2, S_VALUES, 4):
+                top = cute.arch.fmax(top, cute.arch.fmax(s[v], s[v + 1]))
+            for shift in cutlass.range_constexpr(2):
+                top = cute.arch.fmax(top, cute.arch.shuffle_sync_bfly(top, offset=1 << shift))
+            m_new = cute.arch.fmax(m_run[r], top)
+            # A row with no live key so far keeps max -inf; subtract 0 instead (no NaN).
+            m_use = ptx.where(m_new == neg_inf, 0.0, m_new)
+            alpha.append(cute.math.exp2(m_run[r] - m_use, fastmath=True))
+            total = Float32(0.0)
+            for v in cutlass.range_constexpr(S_VALUES):
+                if cutlass.const_expr((v // 2) % 2 == r):
+                    s[v] = cute.math.exp2(s[v] - m_use, fastmath=True)
+                    total = total + s[v]
+            l_part[r] = l_part[r] * alpha[r] + total
+            m_run[r] = m_new
+            if quad == 0:
+                ptx.store_shared_f32(sAlpha + (16 * warp + lane // 4 + 8 * r) * 4, alpha[r])
+        for v in cutlass.range_constexpr(O_VALUES):
+            acc[v] = acc[v] * alpha[(v // 2) % 2]
+        for v in cutlass.range_constexpr(0, S_VALUES, 2):
+            head = 16 * warp + lane // 4 + 8 * ((v // 2) % 2)
+            dst = sP + f16_offset(head, 8 * (v // 4)) + 4 * quad
+            ptx.store_shared_u32(dst, ptx.f16x2(s[v], s[v + 1]))
+        ptx.fence_proxy_async_shared()  # P is read by wgmma
+
+    @cute.jit
+    def load_row(self, rows_base, mine, c, loader):
+        """The row index of loader ``loader``'s key in chunk c: rows[b, part + split j] for
+        j = c WG_KEYS + loader / COPIERS, or -1 from ``mine`` on (nothing read)."""
+        j = c * WG_KEYS + loader // COPIERS
         row = Int32(-1)
         if j < mine:
             row = ptx.load_global_i32(rows_base + Int64(j) * (self.split * 4))
         return row
 
     @cute.jit
-    def fetch(self, mKV: cute.Pointer, row, n_rows, row_bytes, staged, tid):
-        """Start loading this thread's MINE pieces of cache row ``row`` into ``staged``
+    def fetch(self, mKV: cute.Pointer, row, n_rows, row_bytes, staged, loader):
+        """Start loading loader ``loader``'s MINE pieces of cache row ``row`` into ``staged``
         (nothing for a row outside [0, n_rows)); returns whether the row is live."""
         live = (row >= 0) & (row < n_rows)
         if live:
             src = mKV.toint() + Int64(row) * row_bytes
             for i in cutlass.range_constexpr(MINE):
-                piece = tid % COPIERS + COPIERS * i
+                piece = loader % COPIERS + COPIERS * i
                 words = ptx.load_global_v4(src + 16 * piece)
                 for e in cutlass.range_constexpr(4):
                     staged[4 * i + e] = words[e]
         return live
 
     @cute.jit
-    def widen(self, staged, live, sKc, sLivec, tid):
+    def widen(self, staged, live, sKc, sLivec, loader):
         """The staged pieces as F16 into the K tile sKc (zeros for a dead key: its registers
-        are stale, and P = 0 must not meet a NaN), and the key's live flag into sLivec."""
-        key, sub = tid // COPIERS, tid % COPIERS
+        are stale, and P = 0 must not meet a NaN), and the key's live flag into sLivec.
+
+        Piece sub + 2 i lands i // 2 column atoms after piece sub + 2 (i % 2): four store
+        addresses and immediates, not 36 addresses (ptxas kept those across the loop and
+        spilled at split 2)."""
+        key, sub = loader // COPIERS, loader % COPIERS
+        first = [
+            [sKc + f16_offset(key, 16 * (sub + 2 * h) + 8 * e) for e in range(2)] for h in range(2)
+        ]
         for i in cutlass.range_constexpr(MINE):
-            words = tuple(staged[4 * i + e] for e in range(4))
-            self.widen_piece(words, live, sKc, key, sub + COPIERS * i)
+            halves = []
+            for e in cutlass.range_constexpr(4):
+                halves.extend(ptx.e4m3x4_to_f16(ptx.where_i32(live, staged[4 * i + e], 0)))
+            for e in cutlass.range_constexpr(2):
+                dst = first[i % 2][e] + (i // 2) * ATOM_SPAN
+                ptx.store_shared_v4(dst, *halves[4 * e : 4 * e + 4])
         if sub == 0:
             ptx.store_shared_u32(sLivec + 4 * key, Int32(live))
 
@@ -355,29 +407,6 @@ class WgmmaDecode(DecodeKernel):
         for e in cutlass.range_constexpr(2):
             dst = tile16 + f16_offset(row, 16 * piece + 8 * e)
             ptx.store_shared_v4(dst, *halves[4 * e : 4 * e + 4])
-
-    @cute.jit
-    def row_sums(self, sRed, l_part, tid):
-        """The sums of P of this thread's two heads over the CTA's keys (both warpgroups',
-        through sRed)."""
-        group = tid // 128
-        warp, lane = (tid % 128) // 32, tid % 32
-        for r in cutlass.range_constexpr(2):
-            total = l_part[r]
-            for shift in cutlass.range_constexpr(2):
-                total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << shift)
-            if lane % 4 == 0:
-                head = 16 * warp + lane // 4 + 8 * r
-                ptx.store_shared_f32(sRed + (group * WG_HEADS + head) * 4, total)
-        cute.arch.sync_threads()
-        totals = []
-        for r in cutlass.range_constexpr(2):
-            head = 16 * warp + lane // 4 + 8 * r
-            totals.append(
-                ptx.load_shared_f32(sRed + head * 4)
-                + ptx.load_shared_f32(sRed + (WG_HEADS + head) * 4)
-            )
-        return totals
 
     @cute.jit
     def epilogue(
