@@ -168,7 +168,9 @@ def _check_meta(kernel: kernel_compile.CompiledKernel, config: KernelConfig) -> 
         raise RuntimeError(f"cubin metadata for {config} does not match the ABI: {seen=}")
 
 
-def _kernel_or_reason(avals: Sequence[jax.core.ShapedArray], config: KernelConfig | None):
+def _kernel_or_reason(
+    avals: Sequence[jax.core.ShapedArray], config: KernelConfig | None, valid_hint: int | None
+):
     """(CompiledKernel, None) when the kernel can run these shapes, else (None, reason)."""
     q, kv, rows = avals[0], avals[1], avals[2]
     batch, padded_heads = q.shape[0], q.shape[1]
@@ -187,7 +189,8 @@ def _kernel_or_reason(avals: Sequence[jax.core.ShapedArray], config: KernelConfi
     except (FileNotFoundError, OSError) as err:
         return None, str(err)
     if config is None:
-        config = dispatch.choose_config(batch, padded_heads, rows.shape[1], _sm_count())
+        width = rows.shape[1] if valid_hint is None else min(rows.shape[1], valid_hint)
+        config = dispatch.choose_config(batch, padded_heads, width, _sm_count())
     try:
         kernel = kernel_compile.get_kernel(config)
     except (KernelUnavailableError, ImportError) as err:
@@ -201,15 +204,18 @@ def _warn_fallback(reason: str) -> None:
     log.warning("jax_sparse_mla.decode: using the reference on CUDA: %s", reason)
 
 
-def _cuda_lowering(ctx, q, kv, rows, valid, scales, *, require_kernel, config):
+def _cuda_lowering(ctx, q, kv, rows, valid, scales, *, require_kernel, config, valid_hint):
     avals = ctx.avals_in
     fallback = functools.partial(
-        primitive.reference_lowering, require_kernel=require_kernel, config=config
+        primitive.reference_lowering,
+        require_kernel=require_kernel,
+        config=config,
+        valid_hint=valid_hint,
     )
     if any(size == 0 for aval in avals[:3] for size in aval.shape):
         # Nothing to launch: empty outputs, or no keys at all (zeros and -inf).
         return fallback(ctx, q, kv, rows, valid, scales)
-    kernel, reason = _kernel_or_reason(avals, config)
+    kernel, reason = _kernel_or_reason(avals, config, valid_hint)
     if kernel is None:
         if require_kernel:
             raise NotImplementedError(f"implementation='cute' cannot use the kernel: {reason}")

@@ -192,6 +192,7 @@ def dcp_decode(
     implementation: str | None = None,
     exchange: str = "collectives",
     step: int | jax.Array | None = None,
+    valid_hint: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Sparse MLA decode under decode context parallelism; call inside ``jax.shard_map``.
 
@@ -220,6 +221,7 @@ def dcp_decode(
       step: int32 scalar (traced or not), required with "push": consecutive push exchanges
         must alternate its parity (a decode loop's counter; ``step * layers + layer`` with
         several exchanges per step). Unused by "collectives".
+      valid_hint: as for ``jax_sparse_mla.decode``, of this rank's valid keys per row.
 
     Returns:
       latent: [B, H_own, 512] bfloat16, this rank's heads merged over all ranks' keys.
@@ -242,6 +244,7 @@ def dcp_decode(
         q_scale=q_scale,
         kv_scale=kv_scale,
         implementation=implementation,
+        valid_hint=valid_hint,
     )
     if dcp_size == 1:
         return decode(q, kv, rows, valid, **kwargs)

@@ -20,6 +20,7 @@ def decode(
     kv_scale=1.0,
     implementation=None,
     kernel_config=None,
+    valid_hint=None,
 ):
     """Sparse MLA decode over an FP8 E4M3 cache: each query row attends its selected keys.
 
@@ -45,6 +46,12 @@ def decode(
         variant (tests, benchmarks); None (default) lets the dispatch rule choose by shape
         (``jax_sparse_mla.kernel.dispatch.choose_config``). Not allowed with
         implementation="reference".
+      valid_hint: None (default) or a static Python int: about how many keys per row are
+        valid (e.g. the batch's longest context, or its bucket, when it is below K). Only
+        the dispatch rule reads it: it picks the kernel config as if K were
+        min(K, valid_hint), since the kernel's speed follows the valid counts, which it
+        cannot see (they live on the device). Results never depend on it; a wrong hint only
+        costs speed. Ignored with kernel_config or implementation="reference".
 
     Returns:
       latent: [B, H, 512] bfloat16, softmax(logits) @ V * kv_scale.
@@ -67,6 +74,7 @@ def decode(
             )
     shapes = validation.check_decode_args(q, kv, rows, valid)
     softmax_scale = validation.check_softmax_scale(softmax_scale)
+    valid_hint = validation.check_valid_hint(valid_hint)
     q_scale = validation.check_scale("q_scale", q_scale)
     kv_scale = validation.check_scale("kv_scale", kv_scale)
     scales = validation.kernel_scales(softmax_scale, q_scale, kv_scale)
@@ -86,6 +94,7 @@ def decode(
         scales,
         require_kernel=implementation == "cute",
         config=kernel_config,
+        valid_hint=valid_hint,
     )
     if padded != heads:
         latent, lse = latent[:, :heads], lse[:, :heads]

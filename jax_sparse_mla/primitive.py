@@ -4,9 +4,10 @@ Operands are normalized by ``ops.decode``: q [B, Hp, 576] float8_e4m3fn with Hp 
 16, kv [N, W] float8_e4m3fn flat rows (W >= 576, the first 576 bytes read), rows [B, K]
 int32, valid [B] int32, scales float32[2] (scale_log2, out_scale). Results: latent
 [B, Hp, 512] bfloat16, lse [B, Hp] float32. Parameters: ``require_kernel`` (no fallback to the
-reference) and ``config`` (a ``KernelConfig`` forced by the caller, or None for the dispatch
-rule). The CUDA lowering to the kernel lives in ``cuda_lowering``; every other platform lowers
-to the reference.
+reference), ``config`` (a ``KernelConfig`` forced by the caller, or None for the dispatch
+rule) and ``valid_hint`` (None, or the dispatch rule's estimate of valid keys per row). The
+CUDA lowering to the kernel lives in ``cuda_lowering``; every other platform lowers to the
+reference.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ sparse_mla_decode_p.multiple_results = True
 sparse_mla_decode_p.def_impl(functools.partial(dispatch.apply_primitive, sparse_mla_decode_p))
 
 
-def _abstract_eval(q, kv, rows, valid, scales, *, require_kernel, config):
-    del require_kernel, config
+def _abstract_eval(q, kv, rows, valid, scales, **params):
+    del params
     batch, heads, _ = q.shape
     assert heads % 16 == 0 and kv.ndim == 2 and rows.shape[0] == batch == valid.shape[0]
     assert scales.shape == (2,), scales.shape
@@ -44,8 +45,8 @@ def _abstract_eval(q, kv, rows, valid, scales, *, require_kernel, config):
 sparse_mla_decode_p.def_abstract_eval(_abstract_eval)
 
 
-def _reference_rule(q, kv, rows, valid, scales, *, require_kernel, config):
-    del require_kernel, config
+def _reference_rule(q, kv, rows, valid, scales, **params):
+    del params
     return reference.decode_flat(q, kv, rows, valid, scales)
 
 
@@ -60,7 +61,7 @@ def _note_reference(platform: str) -> None:
     )
 
 
-def _portable_lowering(ctx, *args, require_kernel, config):
+def _portable_lowering(ctx, *args, require_kernel, **params):
     platform = ctx.module_context.platforms[0] if ctx.module_context.platforms else "?"
     if require_kernel:
         raise NotImplementedError(
@@ -68,7 +69,7 @@ def _portable_lowering(ctx, *args, require_kernel, config):
             "Use implementation=None to fall back to the reference."
         )
     _note_reference(platform)
-    return reference_lowering(ctx, *args, require_kernel=require_kernel, config=config)
+    return reference_lowering(ctx, *args, require_kernel=require_kernel, **params)
 
 
 mlir.register_lowering(sparse_mla_decode_p, _portable_lowering)

@@ -100,6 +100,19 @@ def check_softmax_scale(softmax_scale) -> float:
     return value
 
 
+def check_valid_hint(valid_hint) -> int | None:
+    """valid_hint is static: None or a Python int >= 1."""
+    if valid_hint is None:
+        return None
+    if isinstance(valid_hint, bool) or not isinstance(valid_hint, (int, np.integer)):
+        raise TypeError(
+            f"valid_hint must be None or a static Python int, got {type(valid_hint).__name__}"
+        )
+    if valid_hint < 1:
+        raise ValueError(f"valid_hint must be >= 1, got {valid_hint=}")
+    return int(valid_hint)
+
+
 def check_scale(name: str, scale):
     """q_scale / kv_scale: a Python number or a float scalar array (may be traced)."""
     if isinstance(scale, (int, float, np.floating, np.integer)) and not isinstance(scale, bool):

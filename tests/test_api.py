@@ -70,11 +70,26 @@ def test_error_messages_show_shapes():
         ({"q_scale": jnp.ones(2)}, ValueError, "q_scale must be a scalar"),
         ({"kv_scale": jnp.int32(2)}, TypeError, "kv_scale must be a float"),
         ({"implementation": "triton"}, ValueError, "implementation must be one of"),
+        ({"valid_hint": 256.0}, TypeError, "valid_hint must be None or a static Python int"),
+        ({"valid_hint": True}, TypeError, "valid_hint"),
+        ({"valid_hint": jnp.int32(256)}, TypeError, "valid_hint"),
+        ({"valid_hint": 0}, ValueError, "valid_hint must be >= 1"),
     ],
 )
 def test_bad_options(kwargs, error, message):
     with pytest.raises(error, match=message):
         _decode(*_args(), **kwargs)
+
+
+def test_valid_hint_runs_on_the_portable_path():
+    """The primitive carries the hint through the portable lowering (the reference): the
+    results are those without it. (The CUDA lowering's use of it: test_cuda_lowering.py.)"""
+    args = _args()
+    want = _decode(*args)
+    for hint in (1, 3, 10_000):
+        got = _decode(*args, valid_hint=hint)
+        np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
 
 
 def test_traced_softmax_scale_is_rejected_under_jit():

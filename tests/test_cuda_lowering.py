@@ -51,7 +51,7 @@ def _args(batch=B, heads=H, width=K, cache_rows=N, row_bytes=576):
     )
 
 
-def _decode(implementation, kernel_config=None):
+def _decode(implementation, kernel_config=None, **options):
     def fn(q, kv, rows, valid):
         return jax_sparse_mla.decode(
             q,
@@ -62,14 +62,15 @@ def _decode(implementation, kernel_config=None):
             kv_scale=0.5,
             implementation=implementation,
             kernel_config=kernel_config,
+            **options,
         )
 
     return jax.jit(fn)
 
 
-def _cuda_text(implementation, args=None, kernel_config=None) -> str:
+def _cuda_text(implementation, args=None, kernel_config=None, **options) -> str:
     args = _args() if args is None else args
-    lowered = _decode(implementation, kernel_config).trace(*args)
+    lowered = _decode(implementation, kernel_config, **options).trace(*args)
     return lowered.lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -138,7 +139,7 @@ def test_lowering_emits_custom_call_with_cubin(fake_kernel):
     [
         (5, 96, 256, KernelConfig(split=4)),  # latency-h96: 8.7 us (split 2 9.4)
         (5, 128, 256, KernelConfig(split=2)),  # latency-h128: 40 clusters of 4 take 2 waves
-        (5, 96, 1024, KernelConfig(split=4)),  # wgmma split 8 not predicted 15% faster
+        (5, 96, 1024, KernelConfig(split=4)),  # wgmma split 8 not predicted 20% faster
         (5, 96, 2048, KernelConfig(split=4)),  # 7.4 us at 256 valid keys (wgmma s8 10.2)
         (5, 128, 2048, KernelConfig("wgmma", 8)),  # rank-full: 18.6 us (split 2 39.0)
         (16, 128, 2048, KernelConfig("wgmma", 2)),  # 50.4 us (cluster-mma split 1 74.8)
@@ -162,6 +163,30 @@ def test_lowering_follows_the_dispatch_rule(fake_kernel, batch, heads, width, co
     assert attrs["head_tile"] == config.head_tile and attrs["block"] == list(config.block)
     padded = -(-heads // 16) * 16
     assert dispatch.choose_config(batch, padded, width) == config
+
+
+@pytest.mark.parametrize(
+    "valid_hint, config",
+    [
+        (None, KernelConfig("wgmma", 8)),  # the rule sees K = 2048: rank-full's pick
+        (2048, KernelConfig("wgmma", 8)),
+        (4096, KernelConfig("wgmma", 8)),  # a hint above K changes nothing
+        (256, KernelConfig(split=2)),  # latency-h128: 7.8 us (wgmma split 8: 10.0)
+        (100, KernelConfig(split=1)),  # at most one chunk per row
+    ],
+)
+def test_valid_hint_steers_the_dispatch(fake_kernel, valid_hint, config):
+    args = _args(batch=5, heads=128, width=2048)
+    (attrs,) = _custom_call_attributes(_cuda_text("cute", args, valid_hint=valid_hint))
+    assert attrs["cluster"] == [config.split, 1, 1]
+    assert attrs["head_tile"] == config.head_tile
+
+
+def test_valid_hint_yields_to_a_forced_config(fake_kernel):
+    forced = KernelConfig("wgmma", 2)
+    text = _cuda_text("cute", _args(batch=5, heads=128, width=2048), forced, valid_hint=64)
+    (attrs,) = _custom_call_attributes(text)
+    assert attrs["cluster"] == [2, 1, 1] and attrs["head_tile"] == forced.head_tile
 
 
 def test_active_clusters_match_the_h200():

@@ -266,7 +266,9 @@ def shard_paged_cache(rng, seqs, dcp, block_size, spare_blocks=2):
     return pools, jnp.asarray(np.concatenate(tables).astype(np.int32))
 
 
-def dcp_program(mesh, *, block_size=None, implementation=None, exchange="collectives"):
+def dcp_program(
+    mesh, *, block_size=None, implementation=None, exchange="collectives", valid_hint=None
+):
     """jit(shard_map(local_rows + dcp_decode)) with the traced rank:
     fn(q, kv, tokens, table, q_scale, kv_scale, step). A paged cache (block_size given) takes
     its per-rank block tables; a flat one takes table=None."""
@@ -288,6 +290,7 @@ def dcp_program(mesh, *, block_size=None, implementation=None, exchange="collect
             implementation=implementation,
             exchange=exchange,
             step=step,
+            valid_hint=valid_hint,
         )
 
     in_specs = (P(None, AXIS), P(AXIS), P(), P(AXIS) if paged else None, P(), P(), P())
@@ -301,6 +304,19 @@ def run_dcp(
     """dcp_program called once (table None for a flat cache)."""
     fn = dcp_program(mesh, block_size=block_size, exchange=exchange)
     return fn(q, kv, jnp.asarray(tokens), table, q_scale, kv_scale, jnp.int32(step))
+
+
+def test_dcp_decode_hands_valid_hint_to_the_decode():
+    """Each rank's decode call carries the caller's per-rank hint (the CUDA lowering reads
+    it: test_cuda_lowering.py)."""
+    mesh = mesh_of(2)
+    rng = np.random.default_rng(3)
+    q, kv = fp8(rng, (5, 32, 576)), shard_flat_cache(fp8(rng, (128, 576)), 2)
+    tokens = jnp.asarray(make_tokens(rng, 5, 16, 2, 128))
+    fn = dcp_program(mesh, valid_hint=8)
+    text = str(jax.make_jaxpr(fn)(q, kv, tokens, None, 1.0, 1.0, jnp.int32(0)))
+    calls = re.findall(r"sparse_mla_decode\[[^\]]*\]", text)
+    assert len(calls) == 1 and "valid_hint=8" in calls[0], calls
 
 
 def global_rows(tokens, seq_length=0, per_row_seq=False):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -177,7 +178,27 @@ def test_kernel_matches_reference(batch, heads):
     scales = {"q_scale": 0.75, "kv_scale": 1.5}
     text = _decode("cute", **scales).trace(*args).lower().as_text()
     assert cuda_lowering.FFI_TARGET in text
-    latent, lse = _decode("cute", **scales)(*args)
+    _assert_matches_reference(args, scales, _decode("cute", **scales)(*args))
+
+
+def test_valid_hint_changes_the_config_not_the_results():
+    """B=5, H=128, K=2048: wgmma split 8 by K alone, cluster-mma split 2 with a hint of 256
+    valid keys per row; both against the reference, whatever the actual counts."""
+    _kernel_or_skip()
+    args = _inputs(7, 5, 128, 2048, 3000)
+    scales = {"q_scale": 0.75, "kv_scale": 1.5}
+    clusters = set()
+    for hint in (None, 256):
+        options = dict(scales, valid_hint=hint)
+        text = _decode("cute", **options).trace(*args).lower().as_text()
+        clusters.add(re.search(r"cluster = dense<\[([\d, ]+)\]>", text).group(1))
+        _assert_matches_reference(args, scales, _decode("cute", **options)(*args))
+    assert len(clusters) == 2, clusters
+
+
+def _assert_matches_reference(args, scales, result):
+    latent, lse = result
+    width = args[2].shape[1]
     want_latent, want_lse = _decode("reference", **scales)(*args)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-4, atol=2e-3)
     got, want = np.asarray(latent, np.float32), np.asarray(want_latent, np.float32)
