@@ -6,9 +6,11 @@ here only serves compilation (it fixes the block, cluster and shared memory of t
 
 from __future__ import annotations
 
+import math
+
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32
+from cutlass import Float32, Int32
 
 from jax_sparse_mla.kernel import ptx
 from jax_sparse_mla.kernel.config import KernelConfig
@@ -59,3 +61,42 @@ class DecodeKernel:
             peer_inbound = ptx.map_peer(inbound, peer)
             ptx.push_f32(ptx.map_peer(m_dst, peer), maximum, peer_inbound)
             ptx.push_f32(ptx.map_peer(l_dst, peer), total, peer_inbound)
+
+    def piece_at(self, region, block, head, column):
+        """Address of the 16-byte piece holding ``column`` (of a block's ``self.cols``) of
+        ``head`` in block ``block`` of an outbox or inbox ([split, tile heads, cols] F16;
+        the pieces of a head row XOR-swizzled by head % 8 against bank conflicts; blocks
+        ``self.block`` bytes apart)."""
+        piece = (column // 8) ^ (head % 8)
+        return region + block * self.block + head * (self.cols * 2) + piece * 16
+
+    @cute.jit
+    def merge_sources(self, sOutbox, sInbox, sStats, tile_heads: int, head, part, columns):
+        """The cluster merge of ``head``'s 8-column pieces at ``columns`` (of this CTA's
+        block) over the split sources: the common max, the sum of the weights (each
+        source's sum x 2^(max - common max)) and the weighted sums of the sources'
+        normalised F16 partials (8 per column piece, FP32). Source c's block is slot c of
+        the inbox, this CTA's own (c = part) its outbox block ``part``."""
+        neg_inf = Float32(-math.inf)
+        top = neg_inf
+        for c in cutlass.range_constexpr(self.split):
+            m_src = sStats + (c * 2 * tile_heads + head) * 4
+            top = cute.arch.fmax(top, ptx.load_shared_f32(m_src))
+        total = Float32(0.0)
+        merged = cute.make_rmem_tensor((len(columns) * 8,), Float32)
+        merged.fill(0.0)
+        for c in cutlass.range_constexpr(self.split):
+            maximum = ptx.load_shared_f32(sStats + (c * 2 * tile_heads + head) * 4)
+            partial_sum = ptx.load_shared_f32(sStats + ((c * 2 + 1) * tile_heads + head) * 4)
+            rise = cute.math.exp2(maximum - top, fastmath=True)
+            # A source without live keys weighs 0 (a NaN sum still poisons the total).
+            weight = ptx.where(maximum != neg_inf, rise, 0.0) * partial_sum
+            total = total + weight
+            source = ptx.where_i32(c == part, sOutbox + (part - c) * self.block, sInbox)
+            for k in cutlass.range_constexpr(len(columns)):
+                halves = ptx.load_shared_v4(self.piece_at(source, c, head, columns[k]))
+                for e in cutlass.range_constexpr(4):
+                    low, high = ptx.f16x2_to_f32(halves[e])
+                    merged[8 * k + 2 * e] = merged[8 * k + 2 * e] + weight * low
+                    merged[8 * k + 2 * e + 1] = merged[8 * k + 2 * e + 1] + weight * high
+        return top, total, merged

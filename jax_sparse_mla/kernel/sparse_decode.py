@@ -423,13 +423,6 @@ class SparseDecode(DecodeKernel):
             dst = self.piece_at(sOutbox, column // self.cols, head, column % self.cols)
             ptx.store_shared_v4(dst, *words)
 
-    def piece_at(self, region, block, head, column):
-        """Address of the 16-byte piece holding ``column`` (of a block's cols) of ``head`` in
-        block ``block`` of an outbox or inbox ([split, HEADS, cols] F16, pieces of a head row
-        XOR-swizzled by head % 8 against bank conflicts)."""
-        piece = (column // 8) ^ (head % 8)
-        return region + block * self.block + head * (self.cols * 2) + piece * 16
-
     @cute.jit
     def merge_blocks(
         self,
@@ -453,27 +446,9 @@ class SparseDecode(DecodeKernel):
             out_scale = ptx.load_global_f32(mScales.toint() + 4)
             neg_inf = Float32(-math.inf)
             head, piece = tid // pieces, tid % pieces
-            top = neg_inf
-            for c in cutlass.range_constexpr(self.split):
-                m_src = sStats + (c * 2 * HEADS + head) * 4
-                top = cute.arch.fmax(top, ptx.load_shared_f32(m_src))
-            total = Float32(0.0)
-            merged = cute.make_rmem_tensor((8,), Float32)
-            merged.fill(0.0)
-            for c in cutlass.range_constexpr(self.split):
-                maximum = ptx.load_shared_f32(sStats + (c * 2 * HEADS + head) * 4)
-                partial_sum = ptx.load_shared_f32(sStats + ((c * 2 + 1) * HEADS + head) * 4)
-                rise = cute.math.exp2(maximum - top, fastmath=True)
-                # A source without live keys weighs 0 (a NaN sum still poisons the total).
-                weight = ptx.where(maximum != neg_inf, rise, 0.0) * partial_sum
-                total = total + weight
-                # Source c's block: in the inbox, or this CTA's own in its outbox.
-                source = ptx.where_i32(c == part, sOutbox + (part - c) * self.block, sInbox)
-                halves = ptx.load_shared_v4(self.piece_at(source, c, head, 8 * piece))
-                for e in cutlass.range_constexpr(4):
-                    low, high = ptx.f16x2_to_f32(halves[e])
-                    merged[2 * e] = merged[2 * e] + weight * low
-                    merged[2 * e + 1] = merged[2 * e + 1] + weight * high
+            top, total, merged = self.merge_sources(
+                sOutbox, sInbox, sStats, HEADS, head, part, [8 * piece]
+            )
             # != rather than >: a NaN total (a NaN logit) must poison the LSE, not empty the row.
             nonempty = total != Float32(0.0)
             inverse = ptx.where(nonempty, out_scale / total, 0.0)

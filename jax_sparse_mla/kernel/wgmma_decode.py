@@ -455,12 +455,6 @@ class WgmmaDecode(DecodeKernel):
             piece = self.piece_at(sOutbox, column // self.cols, head, column % self.cols)
             ptx.store_shared_u32(piece + 2 * (column % 8), word)
 
-    def piece_at(self, region, block, head, column):
-        """Address of the 16-byte piece holding ``column`` (of a block's cols) of ``head`` in
-        block ``block`` of an outbox or inbox."""
-        piece = (column // 8) ^ (head % 8)
-        return region + block * self.block + head * (self.cols * 2) + piece * 16
-
     @cute.jit
     def push(self, sOutbox, sInbox, sStats, inbound, m_run, totals, part, tid):
         """Outbox block r into slot ``part`` of peer r's inbox (one bulk copy each, issued by
@@ -505,29 +499,10 @@ class WgmmaDecode(DecodeKernel):
         neg_inf = Float32(-math.inf)
         head_in_tile, quarter = tid // 4, tid % 4
         pieces = self.cols // 8 // 4  # per thread
-        top = neg_inf
-        for c in cutlass.range_constexpr(self.split):
-            m_src = sStats + (c * 2 * WG_HEADS + head_in_tile) * 4
-            top = cute.arch.fmax(top, ptx.load_shared_f32(m_src))
-        total = Float32(0.0)
-        merged = cute.make_rmem_tensor((pieces * 8,), Float32)
-        merged.fill(0.0)
-        for c in cutlass.range_constexpr(self.split):
-            maximum = ptx.load_shared_f32(sStats + (c * 2 * WG_HEADS + head_in_tile) * 4)
-            partial_sum = ptx.load_shared_f32(sStats + ((c * 2 + 1) * WG_HEADS + head_in_tile) * 4)
-            rise = cute.math.exp2(maximum - top, fastmath=True)
-            # A source without live keys weighs 0 (a NaN sum still poisons the total).
-            weight = ptx.where(maximum != neg_inf, rise, 0.0) * partial_sum
-            total = total + weight
-            # Source c's block: in the inbox, or this CTA's own in its outbox.
-            source = ptx.where_i32(c == part, sOutbox + (part - c) * self.block, sInbox)
-            for k in cutlass.range_constexpr(pieces):
-                column = 8 * (quarter + 4 * k)
-                halves = ptx.load_shared_v4(self.piece_at(source, c, head_in_tile, column))
-                for e in cutlass.range_constexpr(4):
-                    low, high = ptx.f16x2_to_f32(halves[e])
-                    merged[8 * k + 2 * e] = merged[8 * k + 2 * e] + weight * low
-                    merged[8 * k + 2 * e + 1] = merged[8 * k + 2 * e + 1] + weight * high
+        columns = [8 * (quarter + 4 * k) for k in range(pieces)]
+        top, total, merged = self.merge_sources(
+            sOutbox, sInbox, sStats, WG_HEADS, head_in_tile, part, columns
+        )
         # != rather than >: a NaN total (a NaN logit) must poison the LSE, not empty the row.
         nonempty = total != Float32(0.0)
         inverse = ptx.where(nonempty, out_scale / total, 0.0)
