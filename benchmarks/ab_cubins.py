@@ -13,7 +13,9 @@ events around ``--launches`` launches give the time per launch (launch gaps incl
 same for all variants). After one untimed round, the variants are interleaved over
 ``--repeats`` rounds; the median is reported with the [min, max] spread. Meant for
 comparing kernel variants with each other, not for absolute latency
-(benchmarks/bench_decode.py measures that through JAX).
+(benchmarks/bench_decode.py measures that through JAX). Each variant's outputs of one more
+launch are compared with the first variant's (max differences, NaN count): a check that the
+variants compute the same thing, not a correctness test (tests/gpu does that).
 """
 
 from __future__ import annotations
@@ -80,6 +82,18 @@ def time_launches(
     return check(cu.cuEventElapsedTime(start, end)) * 1e3 / launches
 
 
+def run_once(context: Context, kernel: CubinKernel, buffers: list[Buffer], launch_args):
+    """One launch on NaN-filled outputs: (latent as float32, lse), to check that variants
+    agree (a variant that computes something else shows here, not only in its time)."""
+    latent_buffer, lse_buffer = buffers[5], buffers[6]
+    latent_buffer.fill(0xFF)
+    lse_buffer.fill(0xFF)
+    kernel.launch(context.stream, *launch_args, pdl=False)
+    check(cu.cuStreamSynchronize(context.stream))
+    latent = (latent_buffer.download().astype(np.uint32) << 16).view(np.float32)
+    return latent, lse_buffer.download()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -114,10 +128,21 @@ def main() -> None:
             for name, kernel in variants.items():
                 launch_args = (pointers, sizes, batch)
                 times[name].append(time_launches(context, kernel, launch_args, args.launches))
+        outputs = {
+            name: run_once(context, kernel, buffers, (pointers, sizes, batch))
+            for name, kernel in variants.items()
+        }
+        first = next(iter(outputs.values()))
         print(f"B={batch} H={heads} keys={keys}:")
         for name, values in times.items():
             spread = f"[{min(values):.2f}, {max(values):.2f}]"
-            print(f"  {statistics.median(values):9.3f} us/launch {spread:>18}  {name}")
+            latent, lse = outputs[name]
+            differs = (
+                f"max |latent - first| {np.nanmax(np.abs(latent - first[0])):.3g}, "
+                f"|lse - first| {np.nanmax(np.abs(lse - first[1])):.3g}, "
+                f"NaN {int(np.isnan(latent).sum() + np.isnan(lse).sum())}"
+            )
+            print(f"  {statistics.median(values):9.3f} us/launch {spread:>18}  {name}  ({differs})")
         for buffer in buffers:
             buffer.free()
 
