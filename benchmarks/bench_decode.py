@@ -4,10 +4,11 @@
     python benchmarks/bench_decode.py --configs s1 s2 s4    # also each kernel config, forced
 
 For each case of DESIGN.md section 4 and sweeps of keys per row (B=5, H=96), rows (H=128,
-2048 keys) and heads (B=5, 256 keys), both paths run through jax.jit on the same inputs:
-the kernel as the dispatch rule picks it (and, with --configs, each config forced) and the
-jnp reference. Kernel times come from JAX's profiler (CUPTI kernel durations, split per call;
-see gpu_profile.py), median and p10/p90 over --calls calls. The kernel path is
+2048 keys), heads (B=5, 256 keys) and, on request, rows at K = 128 (H=128), both paths run
+through jax.jit on the same inputs: the kernel as the dispatch rule picks it (and, with
+--configs, each config forced) and the jnp reference. Kernel times come from JAX's profiler
+(CUPTI kernel durations, split per call; see gpu_profile.py), median and p10/p90 over
+--calls calls. The kernel path is
 implementation="cute": it fails loudly rather than fall back to the reference. Writes
 results.json, results.csv and latency_vs_keys.png into --out.
 """
@@ -128,6 +129,7 @@ def plan(args):
     jobs += [(f"keys-{n}", 5, 96, 2048, n) for n in args.sweep_keys]
     jobs += [(f"rows-{b}", b, 128, 2048, 2048) for b in args.sweep_rows]
     jobs += [(f"heads-{h}", 5, h, 2048, 256) for h in args.sweep_heads]
+    jobs += [(f"short-{b}", b, 128, 128, 128) for b in args.sweep_short]
     return jobs
 
 
@@ -219,6 +221,14 @@ def main() -> int:
         type=int,
         default=[16, 32, 64, 96, 128],
         help="heads H for the sweep at B=5, 256 keys (empty: none)",
+    )
+    parser.add_argument(
+        "--sweep-short",
+        nargs="*",
+        type=int,
+        default=[],
+        help="rows B for a sweep at H=128 over K = 128 index slots, all valid (the dispatch "
+        "rule's one-chunk case; default: none)",
     )
     parser.add_argument(
         "--configs",
