@@ -13,7 +13,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from jax_sparse_mla.kernel import ptx
-from jax_sparse_mla.kernel.config import KernelConfig
+from jax_sparse_mla.kernel.config import LATENT, KernelConfig
 
 
 class DecodeKernel:
@@ -22,6 +22,15 @@ class DecodeKernel:
     def __init__(self, config: KernelConfig):
         self.config = config
         self.split = config.split
+
+    def merge_layout(self, tile_heads: int) -> None:
+        """The cluster merge's sizes for ``tile_heads`` heads per cluster: ``cols`` latent
+        columns per CTA, ``block`` bytes of one F16 partial block (an owner's columns), and
+        ``inbound_bytes`` each CTA receives (its columns of every peer's block, its own stays
+        in its outbox, and every source's (max, sum) stats)."""
+        self.cols = LATENT // self.split
+        self.block = tile_heads * self.cols * 2
+        self.inbound_bytes = (self.split - 1) * self.block + self.split * 2 * tile_heads * 4
 
     @cute.jit
     def __call__(
@@ -61,6 +70,19 @@ class DecodeKernel:
             peer_inbound = ptx.map_peer(inbound, peer)
             ptx.push_f32(ptx.map_peer(m_dst, peer), maximum, peer_inbound)
             ptx.push_f32(ptx.map_peer(l_dst, peer), total, peer_inbound)
+
+    @cute.jit
+    def send_blocks(self, sOutbox, sInbox, inbound, part):
+        """Outbox block r into slot ``part`` of peer r's inbox, one bulk copy each (block
+        ``part`` stays), completing on the peer's inbound barrier; one thread issues them."""
+        for step in cutlass.range_constexpr(1, self.split):
+            peer = (part + step) % self.split
+            ptx.copy_s2c(
+                ptx.map_peer(sInbox + part * self.block, peer),
+                sOutbox + peer * self.block,
+                self.block,
+                ptx.map_peer(inbound, peer),
+            )
 
     def piece_at(self, region, block, head, column):
         """Address of the 16-byte piece holding ``column`` (of a block's ``self.cols``) of

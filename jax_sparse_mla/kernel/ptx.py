@@ -258,14 +258,6 @@ def barrier_sync(barrier: int, threads: int, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def sync_count(predicate, *, loc=None, ip=None) -> Int32:
-    """__syncthreads_count: a CTA barrier that returns how many threads passed ``predicate``."""
-    code = "{ .reg .pred p; setp.ne.b32 p, $1, 0; bar.red.popc.u32 $0, 0, p; }"
-    operands = [_i32(predicate, loc, ip)]
-    return Int32(_asm(T.i32(), operands, code, "=r,r,~{memory}", True, loc, ip))
-
-
-@dsl_user_op
 def mbarrier_init(bar, count: int, *, loc=None, ip=None) -> None:
     """mbarrier.init of ``count`` arrivals."""
     code = f"mbarrier.init.shared::cta.b64 [$0], {count};"
@@ -345,17 +337,6 @@ def map_peer(addr, rank, *, loc=None, ip=None) -> Int32:
     code = "mapa.shared::cluster.u32 $0, $1, $2;"
     operands = [_i32(addr, loc, ip), _i32(rank, loc, ip)]
     return Int32(_asm(T.i32(), operands, code, "=r,r,r", False, loc, ip))
-
-
-@dsl_user_op
-def push_v4_f32(remote, values, remote_bar, *, loc=None, ip=None) -> None:
-    """st.async of four floats into a peer's shared memory, completing 16 bytes on its bar."""
-    code = (
-        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [$0], {$1, $2, $3, $4}, [$5];"
-    )
-    operands = [_i32(remote, loc, ip)] + [_f32(v, loc, ip) for v in values]
-    operands.append(_i32(remote_bar, loc, ip))
-    _asm(None, operands, code, "r,f,f,f,f,r,~{memory}", True, loc, ip)
 
 
 @dsl_user_op

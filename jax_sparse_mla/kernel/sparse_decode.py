@@ -85,14 +85,11 @@ class SparseDecode(DecodeKernel):
         split = config.split
         # split 1 has no peers: its partial stays in its own shared memory (no DSMEM).
         self.clustered = split > 1
-        self.cols = LATENT // split  # latent columns each CTA merges
+        self.merge_layout(HEADS)  # cols: latent columns each CTA merges
         # The merge: 32 lanes x per_lane columns per head, in pieces of up to 4 floats.
         self.per_lane = self.cols // 32
         self.piece = min(self.per_lane, 4)
         assert self.cols % 32 == 0 and self.per_lane % self.piece == 0 and self.piece % 2 == 0
-        # split > 1: F16 blocks of normalised partials, one per column owner, bulk-copied.
-        self.block = HEADS * self.cols * 2
-        self.inbound_bytes = (split - 1) * self.block + split * 2 * HEADS * 4
 
     @cute.kernel
     def kernel(
@@ -317,14 +314,7 @@ class SparseDecode(DecodeKernel):
             cute.arch.cluster_wait()  # every peer's inbound barrier is armed
             cute.arch.sync_threads()  # the outbox is complete (racecheck models CTA barriers)
             if tid == 0:
-                for step in cutlass.range_constexpr(1, self.split):
-                    peer = (part + step) % self.split
-                    ptx.copy_s2c(
-                        ptx.map_peer(sInbox + part * self.block, peer),
-                        sOutbox + peer * self.block,
-                        self.block,
-                        ptx.map_peer(inbound, peer),
-                    )
+                self.send_blocks(sOutbox, sInbox, inbound, part)
             if (warp == 0) & (quarter == 0):
                 for r in cutlass.range_constexpr(2):
                     self.push_stats(sStats, inbound, part, group + 8 * r, HEADS, m_run[r], l_run[r])

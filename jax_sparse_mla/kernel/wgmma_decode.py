@@ -104,13 +104,9 @@ class WgmmaDecode(DecodeKernel):
         super().__init__(config)
         # split 1 normalises in its own epilogue; split > 1 merges over the cluster (DSMEM).
         self.clustered = self.split > 1
-        self.cols = LATENT // self.split  # latent columns each CTA of a cluster merges
-        self.block = WG_HEADS * self.cols * 2  # bytes of one F16 partial block (an owner's)
+        self.merge_layout(WG_HEADS)
         assert self.cols // 8 >= 8  # 8+ pieces per head row: the swizzle by head % 8
         assert self.split * 2 * WG_HEADS * 4 <= WG_HEADS * WG_KEYS * 2  # stats in the P tile
-        # Bytes each CTA receives: its columns of every peer's partial (its own stay in its
-        # outbox), and every source's stats.
-        self.inbound_bytes = (self.split - 1) * self.block + self.split * 2 * WG_HEADS * 4
 
     @cute.kernel
     def kernel(
@@ -463,14 +459,7 @@ class WgmmaDecode(DecodeKernel):
         group = tid // 128
         warp, lane = (tid % 128) // 32, tid % 32
         if tid == 0:
-            for step in cutlass.range_constexpr(1, self.split):
-                peer = (part + step) % self.split
-                ptx.copy_s2c(
-                    ptx.map_peer(sInbox + part * self.block, peer),
-                    sOutbox + peer * self.block,
-                    self.block,
-                    ptx.map_peer(inbound, peer),
-                )
+            self.send_blocks(sOutbox, sInbox, inbound, part)
         if (group == 0) & (lane % 4 == 0):
             for r in cutlass.range_constexpr(2):
                 head = 16 * warp + lane // 4 + 8 * r
