@@ -145,9 +145,13 @@ def test_lowering_emits_custom_call_with_cubin(fake_kernel):
         (16, 128, 2048, KernelConfig("wgmma", 2)),  # 50.4 us (cluster-mma split 1 74.8)
         (32, 128, 2048, KernelConfig("wgmma", 2)),  # 53.7 us (wgmma split 1 101.3)
         (64, 128, 2048, KernelConfig("wgmma", 1)),  # throughput: 105.9 us (split 2 110.1)
-        (64, 128, 128, KernelConfig(split=1)),  # one chunk per row
-        (5, 96, 128, KernelConfig(split=1)),  # one chunk per row: no cluster
-        (1, 16, 8, KernelConfig(split=1)),
+        (1, 128, 128, KernelConfig(split=2)),  # 6.8 us (split 4 6.6, split 1 7.9)
+        (5, 128, 128, KernelConfig(split=2)),  # 6.9 us (split 1 8.1, wgmma split 2 9.0)
+        (16, 128, 128, KernelConfig(split=1)),  # 9.3 us (wgmma split 2 9.4, split 2 13.8)
+        (64, 128, 128, KernelConfig("wgmma", 1)),  # 17.6 us (cluster-mma split 1 32.5)
+        (256, 128, 128, KernelConfig("wgmma", 1)),  # 66.9 us (cluster-mma split 1 129.3)
+        (5, 96, 128, KernelConfig(split=2)),  # 6.7-7.0 us at 32-128 keys (split 1 7.1-8.1)
+        (1, 16, 8, KernelConfig(split=1)),  # one 64-key step either way: no cluster
         (1, 128, 2048, KernelConfig(split=8)),  # 8 clusters of 8 (13.1 us, split 4 21.8)
         (2, 64, 1024, KernelConfig(split=8)),
         (8, 64, 129, KernelConfig(split=2)),  # 32 clusters of 4 would take 2 waves
@@ -172,7 +176,7 @@ def test_lowering_follows_the_dispatch_rule(fake_kernel, batch, heads, width, co
         (2048, KernelConfig("wgmma", 8)),
         (4096, KernelConfig("wgmma", 8)),  # a hint above K changes nothing
         (256, KernelConfig(split=2)),  # latency-h128: 7.8 us (wgmma split 8: 10.0)
-        (100, KernelConfig(split=1)),  # at most one chunk per row
+        (100, KernelConfig(split=2)),  # B=5, H=128, 128 keys: 6.9 us (split 1 8.1)
     ],
 )
 def test_valid_hint_steers_the_dispatch(fake_kernel, valid_hint, config):

@@ -11,7 +11,7 @@ cluster-mma (B=5, H=96: 21.8 us vs wgmma split 8 18.6).
 
 from __future__ import annotations
 
-from jax_sparse_mla.kernel.config import ALL_CONFIGS, CHUNK, HEADS, WG_HEADS, WG_KEYS, KernelConfig
+from jax_sparse_mla.kernel.config import ALL_CONFIGS, HEADS, WG_HEADS, WG_KEYS, KernelConfig
 
 H200_SMS = 132  # assumed when lowering for CUDA without a local GPU (jax.export)
 
@@ -62,22 +62,20 @@ def choose_config(
     """The config for B = ``batch`` rows of ``padded_heads`` heads over ``width`` index
     slots per row (K) on ``sm_count`` SMs.
 
-    - K <= CHUNK (128): cluster-mma split 1. A row's keys fit one chunk of one CTA, and a
-      cluster would only add its merge (B=5, H=96, 32-128 keys: 6.8-7.7 us at split 1,
-      8.3-8.5 at 4).
-    - Else each variant's split with the smallest predicted time (``predicted_us``; ties to
-      the larger split), and wgmma's only where it is predicted 20% faster than
-      cluster-mma's (``_WGMMA_MARGIN``). Measured (us, the pick first): latency-h96 (256 of
-      2048 keys) cluster-mma s4 7.4 (wgmma s8 10.2); rank-full (B=5, H=128, 2048 keys) wgmma
-      s8 18.6 (cluster-mma s2 39.0); B=16 wgmma s2 50.4 (s8 52.4, cluster-mma s1 74.8);
-      B=32 wgmma s2 53.7 (s1 101.3); throughput (B=64) wgmma s1 105.9 (s2 110.1).
+    Each variant's split with the smallest predicted time (``predicted_us``; ties to the
+    smaller split: a cluster that saves no time only adds its merge), and wgmma's only where
+    it is predicted 20% faster than cluster-mma's (``_WGMMA_MARGIN``). Measured (us, the
+    pick first): latency-h96 (256 of 2048 keys) cluster-mma s4 7.4 (wgmma s8 10.2);
+    rank-full (B=5, H=128, 2048 keys) wgmma s8 18.6 (cluster-mma s2 39.0); B=16 wgmma s2
+    50.4 (s8 52.4, cluster-mma s1 74.8); B=32 wgmma s2 53.7 (s1 101.3); throughput (B=64)
+    wgmma s1 105.9 (s2 110.1). K = 128, H = 128 (all valid): B=1 cluster-mma s2 6.8 (s4 6.6,
+    s1 7.9); B=5 s2 6.9 (s1 8.1); B=16 s1 9.3 (wgmma s2 9.4); B=64 wgmma s1 17.6 (cluster-mma
+    s1 32.5); B=256 wgmma s1 66.9 (cluster-mma s1 129.3).
     """
-    if width <= CHUNK:
-        return KernelConfig(split=1)
     assert padded_heads % HEADS == 0 and WG_HEADS % HEADS == 0
 
     def fastest(variant: str) -> tuple[float, KernelConfig]:
-        configs = sorted((c for c in ALL_CONFIGS if c.variant == variant), key=lambda c: -c.split)
+        configs = sorted((c for c in ALL_CONFIGS if c.variant == variant), key=lambda c: c.split)
         timed = [(predicted_us(c, batch, padded_heads, width, sm_count), c) for c in configs]
         return min(timed, key=lambda pair: pair[0])
 
