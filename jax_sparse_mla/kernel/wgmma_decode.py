@@ -74,13 +74,19 @@ K_STEPS = ROW // 16  # QK's k16 steps
 WG_COLS = LATENT // 2  # latent columns per warpgroup
 S_VALUES = WG_KEYS // 2  # S accumulators per thread of warpgroup 0 (m64n64)
 LOADERS = WG_THREADS // 2  # warpgroup 1 loads and widens the cache rows
-COPIERS = LOADERS // WG_KEYS  # loaders per cache row
-MINE = PIECES // COPIERS  # 16-byte pieces per loader and chunk: piece sub + COPIERS i
+# Four loaders per cache row, each piece sub + 4 i (i < 9): one warp's load reads 64 bytes
+# of 8 rows, two 32-byte sectors per L1 request, not 32 bytes of 16 rows (two loaders per
+# row: the gather's L1 requests were a quarter of the chunk's time).
+COPIERS = 4
+ROW_KEYS = LOADERS // COPIERS  # keys loaded at once: a loader's keys are key, key + ROW_KEYS
+KEYS_EACH = WG_KEYS // ROW_KEYS  # keys per loader and chunk
+MINE = PIECES // COPIERS  # 16-byte pieces per loader and key
 O_VALUES = WG_COLS // 2  # O accumulators per thread (m64n256)
 ATOM_SPAN = WG_KEYS * WG_ATOM  # bytes between column atoms of a tile
 SWIZZLE_128B = 1
 LOOP_BARRIER = 1  # the named barrier of the two warpgroups' loops (0 is __syncthreads')
-assert COPIERS == 2 and PIECES % COPIERS == 0 and WG_HEADS * PIECES % WG_THREADS == 0
+assert PIECES == COPIERS * MINE and COPIERS * 16 == 64  # piece sub + 4 i: F16 atom i
+assert WG_KEYS % ROW_KEYS == 0 and WG_HEADS * PIECES % WG_THREADS == 0
 
 
 def f16_offset(row, column):
@@ -153,21 +159,24 @@ class WgmmaDecode(DecodeKernel):
         # rows[b]) and masked once it has arrived; warpgroup 0 reads none (row -1).
         rows_base = mRows.toint() + (Int64(b) * width + part) * 4
         reach = (width - part + self.split - 1) // self.split  # this CTA's positions in rows[b]
-        row = Int32(-1)
-        row_next = Int32(-1)
+        rows = cute.make_rmem_tensor((KEYS_EACH,), Int32)  # this loader's rows of a chunk
+        rows.fill(-1)
+        rows_next = cute.make_rmem_tensor((KEYS_EACH,), Int32)
+        rows_next.fill(-1)
         if group == 1:
-            row = self.load_row(rows_base, reach, 0, loader)
-            row_next = self.load_row(rows_base, reach, 1, loader)
+            self.load_rows(rows_base, reach, 0, loader, rows)
+            self.load_rows(rows_base, reach, 1, loader, rows_next)
         n = ptx.load_global_i32(mValid.toint() + Int64(b) * 4)
         n = max(min(n, width), Int32(0))
         mine = (n - part + self.split - 1) // self.split
         chunks = (mine + WG_KEYS - 1) // WG_KEYS
-        my_key = loader // COPIERS  # this loader's key of chunk 0
-        row = ptx.where_i32(my_key < mine, row, -1)
-        row_next = ptx.where_i32(WG_KEYS + my_key < mine, row_next, -1)
-        staged = cute.make_rmem_tensor((MINE * 4,), Int32)
-        live = self.fetch(mKV, row, n_rows, row_bytes, staged, loader)  # warpgroup 0: none
-        row = row_next
+        for k in cutlass.range_constexpr(KEYS_EACH):
+            key = loader // COPIERS + ROW_KEYS * k  # this loader's key k of chunk 0
+            rows[k] = ptx.where_i32(key < mine, rows[k], -1)
+            rows_next[k] = ptx.where_i32(WG_KEYS + key < mine, rows_next[k], -1)
+        staged = cute.make_rmem_tensor((KEYS_EACH * MINE * 4,), Int32)
+        live = cute.make_rmem_tensor((KEYS_EACH,), Int32)  # the staged keys' flags
+        self.fetch(mKV, rows, n_rows, row_bytes, staged, live, loader)  # warpgroup 0: none
         # The last tile may be partial (Hp a multiple of 16): missing heads get a zero Q row
         # (their S is 0, their output is not written).
         q_base = mQ.toint() + Int64(b) * heads * ROW
@@ -183,8 +192,8 @@ class WgmmaDecode(DecodeKernel):
             self.widen_piece(q_words[i], head < heads, sQ, flat // PIECES, flat % PIECES)
         if group == 1:
             self.widen(staged, live, sK, sLive, loader)  # chunk 0
-            live = self.fetch(mKV, row, n_rows, row_bytes, staged, loader)  # chunk 1
-            row = self.load_row(rows_base, mine, 2, loader)
+            self.fetch(mKV, rows_next, n_rows, row_bytes, staged, live, loader)  # chunk 1
+            self.load_rows(rows_base, mine, 2, loader, rows)
         ptx.fence_proxy_async_shared()  # Q and chunk 0 are read by wgmma
         scale_log2 = ptx.load_global_f32(mScales.toint())
 
@@ -223,8 +232,8 @@ class WgmmaDecode(DecodeKernel):
                         loader,
                     )
                     ptx.fence_proxy_async_shared()  # chunk c + 1 is read by wgmma
-                    live = self.fetch(mKV, row, n_rows, row_bytes, staged, loader)  # c + 2
-                    row = self.load_row(rows_base, mine, c + 3, loader)
+                    self.fetch(mKV, rows, n_rows, row_bytes, staged, live, loader)  # c + 2
+                    self.load_rows(rows_base, mine, c + 3, loader, rows)
                 ptx.barrier_sync(LOOP_BARRIER, WG_THREADS)
                 for r in cutlass.range_constexpr(2):
                     alpha = ptx.load_shared_f32(sAlpha + (16 * warp + lane // 4 + 8 * r) * 4)
@@ -348,50 +357,55 @@ class WgmmaDecode(DecodeKernel):
         ptx.fence_proxy_async_shared()  # P is read by wgmma
 
     @cute.jit
-    def load_row(self, rows_base, mine, c, loader):
-        """The row index of loader ``loader``'s key in chunk c: rows[b, part + split j] for
-        j = c WG_KEYS + loader / COPIERS, or -1 from ``mine`` on (nothing read)."""
-        j = c * WG_KEYS + loader // COPIERS
-        row = Int32(-1)
-        if j < mine:
-            row = ptx.load_global_i32(rows_base + Int64(j) * (self.split * 4))
-        return row
+    def load_rows(self, rows_base, mine, c, loader, rows):
+        """Into ``rows``, the row indices of loader ``loader``'s keys in chunk c:
+        rows[b, part + split j] for j = c WG_KEYS + loader / COPIERS + ROW_KEYS k, or -1 from
+        ``mine`` on (nothing read)."""
+        for k in cutlass.range_constexpr(KEYS_EACH):
+            j = c * WG_KEYS + loader // COPIERS + ROW_KEYS * k
+            row = Int32(-1)
+            if j < mine:
+                row = ptx.load_global_i32(rows_base + Int64(j) * (self.split * 4))
+            rows[k] = row
 
     @cute.jit
-    def fetch(self, mKV: cute.Pointer, row, n_rows, row_bytes, staged, loader):
-        """Start loading loader ``loader``'s MINE pieces of cache row ``row`` into ``staged``
-        (nothing for a row outside [0, n_rows)); returns whether the row is live."""
-        live = (row >= 0) & (row < n_rows)
-        if live:
-            src = mKV.toint() + Int64(row) * row_bytes
-            for i in cutlass.range_constexpr(MINE):
-                piece = loader % COPIERS + COPIERS * i
-                words = ptx.load_global_v4(src + 16 * piece)
-                for e in cutlass.range_constexpr(4):
-                    staged[4 * i + e] = words[e]
-        return live
+    def fetch(self, mKV: cute.Pointer, rows, n_rows, row_bytes, staged, live, loader):
+        """Start loading loader ``loader``'s MINE pieces of each cache row in ``rows`` into
+        ``staged`` (nothing for a row outside [0, n_rows)); ``live`` gets whether each is."""
+        for k in cutlass.range_constexpr(KEYS_EACH):
+            row = rows[k]
+            alive = (row >= 0) & (row < n_rows)
+            live[k] = Int32(alive)
+            if alive:
+                src = mKV.toint() + Int64(row) * row_bytes
+                for i in cutlass.range_constexpr(MINE):
+                    piece = loader % COPIERS + COPIERS * i
+                    words = ptx.load_global_v4(src + 16 * piece)
+                    for e in cutlass.range_constexpr(4):
+                        staged[4 * (MINE * k + i) + e] = words[e]
 
     @cute.jit
     def widen(self, staged, live, sKc, sLivec, loader):
         """The staged pieces as F16 into the K tile sKc (zeros for a dead key: its registers
-        are stale, and P = 0 must not meet a NaN), and the key's live flag into sLivec.
+        are stale, and P = 0 must not meet a NaN), and the keys' live flags into sLivec.
 
-        Piece sub + 2 i lands i // 2 column atoms after piece sub + 2 (i % 2): four store
-        addresses and immediates, not 36 addresses (ptxas kept those across the loop and
-        spilled at split 2)."""
-        key, sub = loader // COPIERS, loader % COPIERS
-        first = [
-            [sKc + f16_offset(key, 16 * (sub + 2 * h) + 8 * e) for e in range(2)] for h in range(2)
-        ]
-        for i in cutlass.range_constexpr(MINE):
-            halves = []
-            for e in cutlass.range_constexpr(4):
-                halves.extend(ptx.e4m3x4_to_f16(ptx.where_i32(live, staged[4 * i + e], 0)))
-            for e in cutlass.range_constexpr(2):
-                dst = first[i % 2][e] + (i // 2) * ATOM_SPAN
-                ptx.store_shared_v4(dst, *halves[4 * e : 4 * e + 4])
-        if sub == 0:
-            ptx.store_shared_u32(sLivec + 4 * key, Int32(live))
+        Piece sub + 4 i lands i column atoms after piece sub: two store addresses per key
+        and immediates (ptxas kept one address per store across the loop and spilled)."""
+        sub = loader % COPIERS
+        for k in cutlass.range_constexpr(KEYS_EACH):
+            key = loader // COPIERS + ROW_KEYS * k
+            first = [sKc + f16_offset(key, 16 * sub + 8 * e) for e in range(2)]
+            keep = live[k] != 0
+            for i in cutlass.range_constexpr(MINE):
+                halves = []
+                for e in cutlass.range_constexpr(4):
+                    word = ptx.where_i32(keep, staged[4 * (MINE * k + i) + e], 0)
+                    halves.extend(ptx.e4m3x4_to_f16(word))
+                for e in cutlass.range_constexpr(2):
+                    dst = first[e] + i * ATOM_SPAN
+                    ptx.store_shared_v4(dst, *halves[4 * e : 4 * e + 4])
+            if sub == 0:
+                ptx.store_shared_u32(sLivec + 4 * key, live[k])
 
     @cute.jit
     def widen_piece(self, raw, keep, tile16, row, piece):
