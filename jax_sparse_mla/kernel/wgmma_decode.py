@@ -1,8 +1,9 @@
 """Sparse MLA decode on warpgroup MMA (wgmma) for Hopper (sm_90a), in CuTe DSL.
 
 The throughput variant: one CTA per (64 heads, row b) at split 1, two warpgroups with
-different jobs. Warpgroup 1 loads the cache rows of chunk c + 2 (WG_KEYS keys) with 16-byte
-loads into registers and widens those of chunk c + 1 to F16 (exact: E4M3 is a subset of F16)
+different jobs. Warpgroup 1 loads the cache rows of chunk c + 2 (WG_KEYS keys; four threads
+per row, so that one warp's 16-byte loads read 64 contiguous bytes of each of 8 rows) into
+registers and widens those of chunk c + 1 to F16 (exact: E4M3 is a subset of F16)
 into one of WG_STAGES 128-byte-swizzled K-major tiles, while warpgroup 0 computes S = Q K^T of
 chunk c for all 64 heads and keys (wgmma m64n64k16 F16 -> FP32, both operands in shared
 memory, Q widened once and read once per chunk), runs the online softmax over whole rows (log2
