@@ -332,6 +332,26 @@ def copy_s2c(dst, src, size: int, bar, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def copy_s2g(dst, src, size: int, *, loc=None, ip=None) -> None:
+    """cp.async.bulk of ``size`` bytes from shared memory (``src``) to global memory
+    (``dst``), in this thread's bulk group (commit with bulk_commit)."""
+    code = f"cp.async.bulk.global.shared::cta.bulk_group [$0], [$1], {size};"
+    _asm(None, [_i64(dst, loc, ip), _i32(src, loc, ip)], code, "l,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def bulk_commit(*, loc=None, ip=None) -> None:
+    """cp.async.bulk.commit_group: close this thread's bulk group."""
+    _asm(None, [], "cp.async.bulk.commit_group;", "~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def bulk_wait_read(*, loc=None, ip=None) -> None:
+    """cp.async.bulk.wait_group.read 0: this thread's bulk copies have read their sources."""
+    _asm(None, [], "cp.async.bulk.wait_group.read 0;", "~{memory}", True, loc, ip)
+
+
+@dsl_user_op
 def map_peer(addr, rank, *, loc=None, ip=None) -> Int32:
     """The shared::cluster address of ``addr`` in CTA ``rank`` of the cluster."""
     code = "mapa.shared::cluster.u32 $0, $1, $2;"

@@ -59,6 +59,7 @@ from jax_sparse_mla.kernel.config import (
     WG_K_OFFSET,
     WG_KEYS,
     WG_LIVE_OFFSET,
+    WG_OUT_PITCH,
     WG_OUTBOX_OFFSET,
     WG_P_OFFSET,
     WG_Q_OFFSET,
@@ -275,7 +276,8 @@ class WgmmaDecode(DecodeKernel):
             self.merge(mScales, mLatent, mLse, sOutbox, sInbox, sStats, tile, part, b, heads, tid)
             cute.arch.cluster_wait()  # no CTA exits while a copy still reads its outbox
         else:
-            self.epilogue(mScales, mLatent, mLse, acc, m_run, totals, tile, b, heads, tid)
+            sOut = base + WG_K_OFFSET
+            self.epilogue(mScales, mLatent, mLse, sOut, acc, m_run, totals, tile, b, heads, tid)
 
     @cute.jit
     def accumulate(self, acc, sP, sKc, group: cutlass.Constexpr[int]):
@@ -421,10 +423,12 @@ class WgmmaDecode(DecodeKernel):
 
     @cute.jit
     def epilogue(
-        self, mScales: cute.Pointer, mLatent, mLse, acc, m_run, totals, tile, b, heads, tid
+        self, mScales: cute.Pointer, mLatent, mLse, sOut, acc, m_run, totals, tile, b, heads, tid
     ):
         """O / l as BF16 (times out_scale) and the natural-log LSE; -inf and zeros for a row
-        without live keys."""
+        without live keys. The rows go through shared memory (sOut, the free K tiles) and
+        out by one bulk copy each: the fragments' 4-byte global stores wrote half sectors
+        and took ~4 us of a CTA's time (clock probes, 2026-11-30)."""
         out_scale = ptx.load_global_f32(mScales.toint() + 4)
         neg_inf = Float32(-math.inf)
         group = tid // 128
@@ -438,16 +442,23 @@ class WgmmaDecode(DecodeKernel):
             inverse = ptx.where(nonempty, out_scale / total, 0.0)
             head = tile * WG_HEADS + head_in_tile
             gh = Int64(b) * heads + head
-            row_out = mLatent.toint() + (gh * LATENT + group * WG_COLS + 2 * quad) * 2
-            if head < heads:
-                for v in cutlass.range_constexpr(r * 2, O_VALUES, 4):
-                    word = ptx.bf16x2(acc[v] * inverse, acc[v + 1] * inverse)
-                    ptx.store_global_b32(row_out + 8 * (v // 4) * 2, word)
+            row_out = sOut + head_in_tile * WG_OUT_PITCH + (group * WG_COLS + 2 * quad) * 2
+            for v in cutlass.range_constexpr(r * 2, O_VALUES, 4):
+                word = ptx.bf16x2(acc[v] * inverse, acc[v + 1] * inverse)
+                ptx.store_shared_u32(row_out + 8 * (v // 4) * 2, word)
             if (group == 0) & (quad == 0) & (head < heads):
                 lse2 = ptx.where(
                     nonempty, m_run[r] + cute.math.log2(total, fastmath=False), neg_inf
                 )
                 ptx.store_global_f32(mLse.toint() + gh * 4, lse2 * Float32(LN2))
+        ptx.fence_proxy_async_shared()  # the rows are read by bulk copies
+        cute.arch.sync_threads()
+        head = tile * WG_HEADS + tid
+        if (tid < WG_HEADS) & (head < heads):
+            dst = mLatent.toint() + (Int64(b) * heads + head) * (LATENT * 2)
+            ptx.copy_s2g(dst, sOut + tid * WG_OUT_PITCH, LATENT * 2)
+            ptx.bulk_commit()
+            ptx.bulk_wait_read()  # the CTA's shared memory outlives the copy's reads
 
     @cute.jit
     def fill_outbox(self, sOutbox, acc, totals, tid):
