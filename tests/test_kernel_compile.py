@@ -112,6 +112,9 @@ def test_sass(cubin_path, config):
             assert counts.get("STAS", 0) >= 1 and "UCGABAR_WAIT" in counts, counts
         else:
             assert "STAS" not in counts and "UCGABAR_WAIT" not in counts, counts
+            assert counts.get("UBLKCP", 0) >= 1, counts  # output rows by bulk copies
+            # Only the LSE's stores (the fragments' 4-byte output stores were 64).
+            assert counts.get("STG", 0) <= 2, counts
     else:
         # QK: 18 k-steps, PV: 4 steps x 4 n-tiles; each m16n8k32 E4M3 MMA is two HMMA.16816.
         assert counts.get("HMMA", 0) == 2 * (18 + 4 * 4), counts.get("HMMA")

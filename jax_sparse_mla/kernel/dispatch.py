@@ -19,13 +19,13 @@ H200_SMS = 132  # assumed when lowering for CUDA without a local GPU (jax.export
 # keys of the CTA's share, plus a fixed part that grows with the merge (split 1: 12.5 at 256
 # keys; split 2: 7.5-7.9 at 128 keys per CTA, 39.1 at 1024; split 4: 7.1-7.4 at 64, 21.8 at
 # 512; split 8: 13.1 in two waves at 32).
-# wgmma (session 8's, four loaders per cache row): ~2.17 per 64-key chunk plus a fixed part
-# (B=5, H=96: split 1 16.1 at 256 keys, 77.4 at 2048; split 2 10.7 at 128 keys per CTA, 40.7
-# at 1024; split 4 9.0 at 64, 23.9 at 512; split 8 9.9 at 32, 16.8 at 256).
+# wgmma (session 8's, four loaders per cache row, split 1's output by bulk copies): ~2.17 per
+# 64-key chunk plus a fixed part (B=5, H=96: split 1 14.2 at 256 keys; split 2 10.7 at 128
+# keys per CTA, 40.7 at 1024; split 4 9.0 at 64, 23.9 at 512; split 8 9.9 at 32, 16.8 at 256).
 _MMA_PER_64_KEYS_US = 2.3
 _MMA_FIXED_US = {1: 3.0, 2: 3.0, 4: 4.2, 8: 4.3}
 _WGMMA_CHUNK_US = 2.17
-_WGMMA_FIXED_US = {1: 7.3, 2: 6.4, 4: 6.8, 8: 7.9}
+_WGMMA_FIXED_US = {1: 5.5, 2: 6.4, 4: 6.8, 8: 7.9}
 # K only bounds the valid counts from above. Where they run below K, cluster-mma's smaller
 # fixed cost wins back (B=5, H=96, 256 of 2048 keys: 7.4 us at cluster-mma split 4, 9.9 at
 # wgmma split 8; all 2048 valid: 21.8 and 16.8), so wgmma must be predicted at least 30%
@@ -67,7 +67,7 @@ def choose_config(
     it is predicted 30% faster than cluster-mma's (``_WGMMA_MARGIN``). Measured (us, the
     pick first): latency-h96 (256 of 2048 keys) cluster-mma s4 7.4 (wgmma s8 9.9);
     rank-full (B=5, H=128, 2048 keys) wgmma s8 16.8 (cluster-mma s8 36.3); B=16 wgmma s2
-    41.8 (s4 47.8, cluster-mma s1 74.3); throughput (B=64) wgmma s1 93.0 (s2 95.8). K = 128,
+    41.5 (s4 47.7, cluster-mma s1 74.4); throughput (B=64) wgmma s1 88.1 (s2 96.2). K = 128,
     H = 128 (all valid): B=1 cluster-mma s2 6.8 (s4 6.6, s1 7.9); B=5 s2 6.9 (s1 8.1); B=16
     s1 9.2 (wgmma s2 9.2); B=64 wgmma s1 16.6 (cluster-mma s1 32.4); B=256 wgmma s1 63.5
     (cluster-mma s1 128.9).
