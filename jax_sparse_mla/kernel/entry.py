@@ -13,7 +13,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 from jax_sparse_mla.kernel import ptx
-from jax_sparse_mla.kernel.config import LATENT, KernelConfig
+from jax_sparse_mla.kernel.config import LATENT, LN2, KernelConfig
 
 
 class DecodeKernel:
@@ -91,6 +91,24 @@ class DecodeKernel:
         ``self.block`` bytes apart)."""
         piece = (column // 8) ^ (head % 8)
         return region + block * self.block + head * (self.cols * 2) + piece * 16
+
+    @cute.jit
+    def normaliser(self, out_scale, total):
+        """(nonempty, out_scale / total) of a row's sum; a row without live keys gets 0.
+        != rather than >: a NaN total (a NaN logit) must poison the LSE, not empty the row."""
+        nonempty = total != Float32(0.0)
+        return nonempty, ptx.where(nonempty, out_scale / total, 0.0)
+
+    @cute.jit
+    def log2_lse(self, nonempty, top, total):
+        """A row's LSE in log2 units (``top``: its max, ``total``: its sum at that max); -inf
+        for a row without live keys (store_lse writes it)."""
+        return ptx.where(nonempty, top + cute.math.log2(total, fastmath=False), -math.inf)
+
+    @cute.jit
+    def store_lse(self, mLse, gh, lse2):
+        """The natural-log LSE of row gh from its log2-unit ``lse2``."""
+        ptx.store_global_f32(mLse.toint() + gh * 4, lse2 * Float32(LN2))
 
     @cute.jit
     def merge_sources(self, sOutbox, sInbox, sStats, tile_heads: int, head, part, columns):

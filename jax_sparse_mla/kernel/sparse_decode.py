@@ -41,7 +41,6 @@ from jax_sparse_mla.kernel.config import (
     KV_OFFSET,
     LATENT,
     LIVE_OFFSET,
-    LN2,
     LOG2_P_SCALE,
     P_OFFSET,
     P_PITCH,
@@ -434,14 +433,11 @@ class SparseDecode(DecodeKernel):
         pieces = self.cols // 8
         if tid < HEADS * pieces:
             out_scale = ptx.load_global_f32(mScales.toint() + 4)
-            neg_inf = Float32(-math.inf)
             head, piece = tid // pieces, tid % pieces
             top, total, merged = self.merge_sources(
                 sOutbox, sInbox, sStats, HEADS, head, part, [8 * piece]
             )
-            # != rather than >: a NaN total (a NaN logit) must poison the LSE, not empty the row.
-            nonempty = total != Float32(0.0)
-            inverse = ptx.where(nonempty, out_scale / total, 0.0)
+            nonempty, inverse = self.normaliser(out_scale, total)
             gh = Int64(b) * heads + tile * HEADS + head
             col = part * self.cols + 8 * piece
             words = [
@@ -449,12 +445,9 @@ class SparseDecode(DecodeKernel):
             ]
             ptx.store_global_v4(mLatent.toint() + (gh * LATENT + col) * 2, words)
             if (part == 0) & (piece == 0):
-                lse2 = ptx.where(
-                    nonempty,
-                    top - Float32(LOG2_P_SCALE) + cute.math.log2(total, fastmath=False),
-                    neg_inf,
-                )
-                ptx.store_global_f32(mLse.toint() + gh * 4, lse2 * Float32(LN2))
+                # P was scaled by 448 = 2^LOG2_P_SCALE: so were the sums.
+                lse2 = self.log2_lse(nonempty, top - Float32(LOG2_P_SCALE), total)
+                self.store_lse(mLse, gh, lse2)
 
     @cute.jit
     def merge(
@@ -511,4 +504,4 @@ class SparseDecode(DecodeKernel):
             else:
                 ptx.store_global_b32(mLatent.toint() + (gh * LATENT + col + v) * 2, w0)
         if (part == 0) & (lane == 0):
-            ptx.store_global_f32(mLse.toint() + gh * 4, lse2 * Float32(LN2))
+            self.store_lse(mLse, gh, lse2)

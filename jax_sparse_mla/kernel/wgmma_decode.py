@@ -49,7 +49,6 @@ from cutlass import Float32, Int32, Int64
 from jax_sparse_mla.kernel import ptx
 from jax_sparse_mla.kernel.config import (
     LATENT,
-    LN2,
     ROW,
     WG_ATOM,
     WG_BAR_OFFSET,
@@ -430,16 +429,12 @@ class WgmmaDecode(DecodeKernel):
         out by one bulk copy each: the fragments' 4-byte global stores wrote half sectors
         and took ~4 us of a CTA's time (clock probes, 2026-11-30)."""
         out_scale = ptx.load_global_f32(mScales.toint() + 4)
-        neg_inf = Float32(-math.inf)
         group = tid // 128
         warp, lane = (tid % 128) // 32, tid % 32
         quad = lane % 4
         for r in cutlass.range_constexpr(2):
             head_in_tile = 16 * warp + lane // 4 + 8 * r
-            total = totals[r]
-            # != rather than >: a NaN total (a NaN logit) must poison the LSE, not empty the row.
-            nonempty = total != Float32(0.0)
-            inverse = ptx.where(nonempty, out_scale / total, 0.0)
+            nonempty, inverse = self.normaliser(out_scale, totals[r])
             head = tile * WG_HEADS + head_in_tile
             gh = Int64(b) * heads + head
             row_out = sOut + head_in_tile * WG_OUT_PITCH + (group * WG_COLS + 2 * quad) * 2
@@ -447,10 +442,7 @@ class WgmmaDecode(DecodeKernel):
                 word = ptx.bf16x2(acc[v] * inverse, acc[v + 1] * inverse)
                 ptx.store_shared_u32(row_out + 8 * (v // 4) * 2, word)
             if (group == 0) & (quad == 0) & (head < heads):
-                lse2 = ptx.where(
-                    nonempty, m_run[r] + cute.math.log2(total, fastmath=False), neg_inf
-                )
-                ptx.store_global_f32(mLse.toint() + gh * 4, lse2 * Float32(LN2))
+                self.store_lse(mLse, gh, self.log2_lse(nonempty, m_run[r], totals[r]))
         ptx.fence_proxy_async_shared()  # the rows are read by bulk copies
         cute.arch.sync_threads()
         head = tile * WG_HEADS + tid
@@ -511,16 +503,13 @@ class WgmmaDecode(DecodeKernel):
         LSE (part 0): thread t takes head t / 4 and pieces t % 4, t % 4 + 4, ... (8 columns
         each) of every source's block."""
         out_scale = ptx.load_global_f32(mScales.toint() + 4)
-        neg_inf = Float32(-math.inf)
         head_in_tile, quarter = tid // 4, tid % 4
         pieces = self.cols // 8 // 4  # per thread
         columns = [8 * (quarter + 4 * k) for k in range(pieces)]
         top, total, merged = self.merge_sources(
             sOutbox, sInbox, sStats, WG_HEADS, head_in_tile, part, columns
         )
-        # != rather than >: a NaN total (a NaN logit) must poison the LSE, not empty the row.
-        nonempty = total != Float32(0.0)
-        inverse = ptx.where(nonempty, out_scale / total, 0.0)
+        nonempty, inverse = self.normaliser(out_scale, total)
         head = tile * WG_HEADS + head_in_tile
         gh = Int64(b) * heads + head
         if head < heads:
@@ -532,5 +521,4 @@ class WgmmaDecode(DecodeKernel):
                 ]
                 ptx.store_global_v4(mLatent.toint() + (gh * LATENT + col) * 2, words)
             if (part == 0) & (quarter == 0):
-                lse2 = ptx.where(nonempty, top + cute.math.log2(total, fastmath=False), neg_inf)
-                ptx.store_global_f32(mLse.toint() + gh * 4, lse2 * Float32(LN2))
+                self.store_lse(mLse, gh, self.log2_lse(nonempty, top, total))
