@@ -125,10 +125,10 @@ def category(name: str) -> str:
     lower = name.lower()
     if "nccl" in lower:
         return "nccl " + ("all-gather" if "allgather" in lower else "all-to-all / send-recv")
-    if "sparsedecode" in lower:
-        return "decode kernel"
-    if lower in ("dcp_push", "dcp_merge"):
-        return "push exchange: " + lower + (" (incl. wait)" if lower == "dcp_merge" else "")
+    if "jax_sparse_mla" in lower:  # both variants' entries (SparseDecode, WgmmaDecode)
+        return "decode kernel (with push: stores into the owners' mailboxes)"
+    if lower == "dcp_merge":
+        return "push exchange: dcp_merge (incl. wait)"
     return "XLA fusions and copies"
 
 
@@ -236,7 +236,7 @@ def main() -> None:
             )
             fn = make_step(mesh, args.dcp, exchange, args.unroll)
             compiled = fn.lower(*data, jnp.int32(0), args.steps).compile()
-            if exchange == "push" and "jax_sparse_mla_dcp_push" not in compiled.as_text():
+            if exchange == "push" and "jax_sparse_mla_decode_push" not in compiled.as_text():
                 raise SystemExit("the push exchange's custom call is not in the program")
             if args.out:
                 with open(os.path.join(args.out, f"hlo-{name}-{exchange}.txt"), "w") as f:

@@ -1,21 +1,23 @@
-// One-sided DCP exchange (dcp_decode(exchange="push")): mailboxes, setup and two FFI handlers.
+// One-sided DCP exchange (dcp_decode(exchange="push")): mailboxes, setup and the merge handler.
 //
 // Setup (JaxSparseMlaDcpSetup, called eagerly from Python by jax_sparse_mla.dcp_setup, once per
 // group of D devices along the mesh axis): on each device's primary context it allocates a data
 // region (the mailbox proper, zeroed), enables peer access between all the group's devices and
-// writes the device's header: every rank's data region, this rank, the timeout. The header, the
-// host-mapped error record and the loaded exchange kernels (dcp_exchange.ptx, embedded; the
-// driver compiles it) are made once per device and kept for the process: a later dcp_setup
-// rewrites them in place, so kernel parameters captured into a CUDA graph stay valid and the
-// handlers can be command-buffer compatible. Nothing is allocated in execute.
+// writes the device's header: every rank's data region, this rank, the timeout, the error
+// record. The header, the host-mapped error record and the loaded merge kernel
+// (dcp_exchange.ptx, embedded; the driver compiles it) are made once per device and kept for
+// the process: a later dcp_setup rewrites them in place, so kernel parameters captured into a
+// CUDA graph stay valid and the handlers can be command-buffer compatible. Nothing is allocated
+// in execute.
 //
-// Execute (targets "jax_sparse_mla_dcp_push" and "jax_sparse_mla_dcp_merge"): finds the device
-// of the stream's context, checks shapes and capacity, and launches dcp_push (grid (D, B, S)) or
-// dcp_merge (grid (S, B)), S = ceil(H / kChunkHeads). The push returns a token the merge
-// consumes, so XLA keeps them in order. A failure the kernels detect (timeout, repeated step
-// parity, rank mismatch) is written to the error record; an execute that sees it returns it as
-// an error (a graph replay does not run execute: the rows are NaN either way), and
-// JaxSparseMlaDcpStatus reads it for jax_sparse_mla.dcp_check().
+// The producers are the decode kernels: the decode handler's push target
+// ("jax_sparse_mla_decode_push", sparse_mla_ffi.cc) asks PushTargetFor for the header and the
+// layout, and each decode CTA stores its rows into the owners' mailboxes and releases a flag.
+// The merge ("jax_sparse_mla_dcp_merge") takes the decode's token, so XLA keeps them in order,
+// and launches dcp_merge (grid (S, B), S = ceil(H / kChunkHeads)). A failure the kernels detect
+// (timeout, repeated step parity, rank mismatch) is written to the error record; an execute that
+// sees it returns it as an error (a graph replay does not run execute: the rows are NaN either
+// way), and JaxSparseMlaDcpStatus reads it for jax_sparse_mla.dcp_check().
 
 #include <cstdint>
 #include <cstring>
@@ -24,6 +26,8 @@
 #include <mutex>
 #include <string>
 #include <vector>
+
+#include "dcp_exchange.h"
 
 #include "cuda_driver.h"
 #include "dcp_exchange_ptx.h"  // kDcpExchangePtx, generated from dcp_exchange.ptx by CMake
@@ -34,18 +38,22 @@ using cudaStream_t = CUstream;
 
 namespace {
 
-// Header layout (bytes), shared with dcp_exchange.ptx.
+// Header layout (bytes), shared with dcp_exchange.ptx and the decode kernels (config.py).
 constexpr int kMaxRanks = 16;          // u64 data[kMaxRanks] at 0: every rank's data region
 constexpr size_t kRankOffset = 128;    // u32 rank, has_last, last_step, error claimed
 constexpr size_t kTimeoutOffset = 144;  // u64 timeout_ns
+constexpr size_t kErrorOffset = 152;   // u64 the host-mapped error record's device address
 constexpr size_t kHeaderBytes = 256;
+// The decode kernels take the offsets as 32-bit parameters.
+constexpr int64_t kMaxCapacity = INT32_MAX;
 constexpr size_t kRegionAlign = 256;
-constexpr unsigned int kChunkHeads = 8;  // heads per push / merge CTA
+constexpr unsigned int kChunkHeads = 8;  // heads per merge CTA
 constexpr unsigned int kThreads = 256;
 constexpr int64_t kLatent = 512;
 constexpr int64_t kMaxGridY = 65535;
+constexpr int64_t kHeadGrain = 16;  // the decode pads its heads to a multiple of 16
 
-// Error codes written by the kernels (dcp_exchange.ptx).
+// Error codes written by the kernels (dcp_exchange.ptx, the decode kernels).
 constexpr uint32_t kTimeout = 1;
 constexpr uint32_t kParity = 2;
 constexpr uint32_t kRank = 3;
@@ -62,10 +70,10 @@ uint64_t AlignUp(uint64_t value, uint64_t alignment) {
 
 uint64_t Chunks(uint64_t heads) { return (heads + kChunkHeads - 1) / kChunkHeads; }
 
-// flags u32[2][D][B][S] at 0, latents bf16[2][D][B][H][512], LSEs f32[2][D][B][H].
-Layout MakeLayout(uint64_t dcp, uint64_t batch, uint64_t heads) {
+// flags u32[2][D][B][F] at 0, latents bf16[2][D][B][H][512], LSEs f32[2][D][B][H].
+Layout MakeLayout(uint64_t dcp, uint64_t batch, uint64_t heads, uint64_t flags_per_row) {
   Layout layout{};
-  layout.latent_offset = AlignUp(4 * 2 * dcp * batch * Chunks(heads), kRegionAlign);
+  layout.latent_offset = AlignUp(4 * 2 * dcp * batch * flags_per_row, kRegionAlign);
   layout.lse_offset = layout.latent_offset + 2 * dcp * batch * heads * kLatent * 2;
   layout.bytes = layout.lse_offset + 2 * dcp * batch * heads * 4;
   return layout;
@@ -85,7 +93,6 @@ struct Mailbox {
   volatile uint32_t* host_error = nullptr;  // u32[4]: code, step, row, source; permanent
   CUdeviceptr device_error = 0;
   CUmodule module = nullptr;
-  CUfunction push = nullptr;
   CUfunction merge = nullptr;
   bool ready = false;  // the last setup of this device succeeded
 };
@@ -149,8 +156,6 @@ std::string Prepare(const cu::Driver& d, Mailbox& mailbox, uint64_t capacity) {
                        d.MemHostGetDevicePointer(&mailbox.device_error, host, 0));
       RETURN_IF_FAILED("cuModuleLoadData (dcp_exchange.ptx)",
                        d.ModuleLoadData(&mailbox.module, kDcpExchangePtx));
-      RETURN_IF_FAILED("cuModuleGetFunction(dcp_push)",
-                       d.ModuleGetFunction(&mailbox.push, mailbox.module, "dcp_push"));
       RETURN_IF_FAILED("cuModuleGetFunction(dcp_merge)",
                        d.ModuleGetFunction(&mailbox.merge, mailbox.module, "dcp_merge"));
     }
@@ -190,6 +195,7 @@ std::string Connect(const cu::Driver& d, Mailbox& mailbox, const std::vector<Mai
     }
     header[kRankOffset / 8] = static_cast<uint32_t>(mailbox.rank);  // has_last = 0
     header[kTimeoutOffset / 8] = timeout_ns;
+    header[kErrorOffset / 8] = mailbox.device_error;
     RETURN_IF_FAILED("cuMemcpyHtoD (header)", d.MemcpyHtoD(mailbox.header, header, sizeof(header)));
     RETURN_IF_FAILED("cuCtxSynchronize", d.CtxSynchronize());
     return "";
@@ -207,8 +213,10 @@ std::string Setup(const int32_t* ordinals, int32_t dcp_size, int64_t capacity,
     return "the group must have 2 to " + std::to_string(kMaxRanks) + " devices, got " +
            std::to_string(dcp_size);
   }
-  if (capacity < static_cast<int64_t>(kRegionAlign) || timeout_ns < 1) {
-    return "capacity_bytes and timeout must be positive";
+  if (capacity < static_cast<int64_t>(kRegionAlign) || capacity > kMaxCapacity ||
+      timeout_ns < 1) {
+    return "capacity_bytes must be in [" + std::to_string(kRegionAlign) + ", " +
+           std::to_string(kMaxCapacity) + "] and the timeout positive";
   }
   std::lock_guard<std::mutex> lock(registry_mutex);
   // Setting a device up again resets its exchange (zeroed data region and error record); this
@@ -277,14 +285,15 @@ ffi::ErrorOr<Mailbox*> MailboxFor(cudaStream_t stream, int64_t dcp_size) {
   return mailbox;
 }
 
-ffi::ErrorOr<Layout> CheckedLayout(const Mailbox& mailbox, int64_t batch, int64_t heads) {
+ffi::ErrorOr<Layout> CheckedLayout(const Mailbox& mailbox, int64_t batch, int64_t heads,
+                                   int64_t flags_per_row) {
   using Unexpected = ffi::Unexpected<ffi::Error>;
-  if (batch < 1 || batch > kMaxGridY || heads < 1) {
+  if (batch < 1 || batch > kMaxGridY || heads < 1 || flags_per_row < 1) {
     return Unexpected(ffi::Error::InvalidArgument(
         "jax_sparse_mla: push exchange sizes out of range: B=" + std::to_string(batch) +
         " (1.." + std::to_string(kMaxGridY) + "), H_own=" + std::to_string(heads)));
   }
-  Layout layout = MakeLayout(mailbox.dcp_size, batch, heads);
+  Layout layout = MakeLayout(mailbox.dcp_size, batch, heads, flags_per_row);
   if (layout.bytes > mailbox.capacity) {
     return Unexpected(Failed("the push exchange of B=" + std::to_string(batch) +
                              ", H_own=" + std::to_string(heads) + " needs " +
@@ -294,93 +303,72 @@ ffi::ErrorOr<Layout> CheckedLayout(const Mailbox& mailbox, int64_t batch, int64_
   return layout;
 }
 
-struct Grid {
-  unsigned int x, y, z;
-};
-
-// Launches an exchange kernel: its own leading pointer parameters (addresses of the values),
-// then the tail both kernels share: header, error record, layout offsets, B, H, D, chunk.
-ffi::Error LaunchExchange(CUfunction function, cudaStream_t stream, Grid grid,
-                          std::initializer_list<void*> leading, const Mailbox& mailbox,
-                          const Layout& layout, int64_t batch, int64_t heads, int64_t dcp) {
-  CUdeviceptr header = mailbox.header;
-  CUdeviceptr error = mailbox.device_error;
-  uint64_t latent_offset = layout.latent_offset;
-  uint64_t lse_offset = layout.lse_offset;
-  uint32_t sizes[4] = {static_cast<uint32_t>(batch), static_cast<uint32_t>(heads),
-                       static_cast<uint32_t>(dcp), kChunkHeads};
-  std::vector<void*> params(leading);
-  params.insert(params.end(), {&header, &error, &latent_offset, &lse_offset, &sizes[0],
-                               &sizes[1], &sizes[2], &sizes[3]});
-  const cu::Driver& d = cu::GetDriver().driver;
-  CUlaunchConfig config{};
-  config.gridDimX = grid.x;
-  config.gridDimY = grid.y;
-  config.gridDimZ = grid.z;
-  config.blockDimX = kThreads;
-  config.blockDimY = 1;
-  config.blockDimZ = 1;
-  config.hStream = stream;
-  return cu::Check(d, "cuLaunchKernelEx",
-                   d.LaunchKernelEx(&config, function, params.data(), nullptr));
-}
-
 using LatentBuffer = ffi::Buffer<ffi::BF16, 3>;
 using LseBuffer = ffi::Buffer<ffi::F32, 2>;
 using ScalarBuffer = ffi::Buffer<ffi::S32, 0>;
 using TokenBuffer = ffi::Buffer<ffi::S32, 1>;
 
-ffi::Error Push(cudaStream_t stream, LatentBuffer latent, LseBuffer lse, ScalarBuffer rank,
-                ScalarBuffer step, ffi::Result<TokenBuffer> /*token*/, int64_t dcp_size) {
-  ffi::ErrorOr<Mailbox*> found = MailboxFor(stream, dcp_size);
-  if (found.has_error()) return found.error();
-  Mailbox& mailbox = *found.value();
-  const int64_t batch = latent.dimensions()[0];
-  const int64_t gathered = latent.dimensions()[1];
-  if (gathered % dcp_size != 0 || latent.dimensions()[2] != kLatent ||
-      lse.dimensions()[0] != batch || lse.dimensions()[1] != gathered) {
-    return ffi::Error::InvalidArgument("jax_sparse_mla: push operands must be latent [B, D*H, " +
-                                       std::to_string(kLatent) + "] and lse [B, D*H]");
-  }
-  const int64_t heads = gathered / dcp_size;
-  ffi::ErrorOr<Layout> layout = CheckedLayout(mailbox, batch, heads);
-  if (layout.has_error()) return layout.error();
-
-  void* latent_ptr = latent.untyped_data();
-  void* lse_ptr = lse.untyped_data();
-  void* rank_ptr = rank.untyped_data();
-  void* step_ptr = step.untyped_data();
-  const Grid grid = {static_cast<unsigned int>(dcp_size), static_cast<unsigned int>(batch),
-                     static_cast<unsigned int>(Chunks(heads))};
-  return LaunchExchange(mailbox.push, stream, grid, {&latent_ptr, &lse_ptr, &rank_ptr, &step_ptr},
-                        mailbox, layout.value(), batch, heads, dcp_size);
-}
-
 ffi::Error Merge(cudaStream_t stream, TokenBuffer /*token*/, ScalarBuffer step,
-                 ffi::Result<LatentBuffer> latent, ffi::Result<LseBuffer> lse, int64_t dcp_size) {
+                 ffi::Result<LatentBuffer> latent, ffi::Result<LseBuffer> lse, int64_t dcp_size,
+                 int64_t head_tile, int64_t split) {
   ffi::ErrorOr<Mailbox*> found = MailboxFor(stream, dcp_size);
   if (found.has_error()) return found.error();
   Mailbox& mailbox = *found.value();
   const int64_t batch = latent->dimensions()[0];
   const int64_t heads = latent->dimensions()[1];
   if (latent->dimensions()[2] != kLatent || lse->dimensions()[0] != batch ||
-      lse->dimensions()[1] != heads) {
+      lse->dimensions()[1] != heads || head_tile < 1 || split < 1 || split > 8) {
     return ffi::Error::InvalidArgument("jax_sparse_mla: merge results must be latent [B, H, " +
-                                       std::to_string(kLatent) + "] and lse [B, H]");
+                                       std::to_string(kLatent) +
+                                       "] and lse [B, H], the decode's tile and split positive");
   }
-  ffi::ErrorOr<Layout> layout = CheckedLayout(mailbox, batch, heads);
+  const int64_t flags_per_row = dcp::FlagsPerRow(dcp_size, heads, head_tile, split);
+  ffi::ErrorOr<Layout> layout = CheckedLayout(mailbox, batch, heads, flags_per_row);
   if (layout.has_error()) return layout.error();
 
   void* latent_ptr = latent->untyped_data();
   void* lse_ptr = lse->untyped_data();
   void* step_ptr = step.untyped_data();
-  const Grid grid = {static_cast<unsigned int>(Chunks(heads)), static_cast<unsigned int>(batch),
-                     1};
-  return LaunchExchange(mailbox.merge, stream, grid, {&latent_ptr, &lse_ptr, &step_ptr}, mailbox,
-                        layout.value(), batch, heads, dcp_size);
+  CUdeviceptr header = mailbox.header;
+  CUdeviceptr error = mailbox.device_error;
+  uint64_t latent_offset = layout.value().latent_offset;
+  uint64_t lse_offset = layout.value().lse_offset;
+  uint32_t sizes[7] = {static_cast<uint32_t>(batch),     static_cast<uint32_t>(heads),
+                       static_cast<uint32_t>(dcp_size),  kChunkHeads,
+                       static_cast<uint32_t>(head_tile), static_cast<uint32_t>(split),
+                       static_cast<uint32_t>(flags_per_row)};
+  void* params[] = {&latent_ptr, &lse_ptr,   &step_ptr,  &header,   &error,    &latent_offset,
+                    &lse_offset, &sizes[0],  &sizes[1],  &sizes[2], &sizes[3], &sizes[4],
+                    &sizes[5],   &sizes[6]};
+  const cu::Driver& d = cu::GetDriver().driver;
+  CUlaunchConfig config{};
+  config.gridDimX = static_cast<unsigned int>(Chunks(heads));
+  config.gridDimY = static_cast<unsigned int>(batch);
+  config.gridDimZ = 1;
+  config.blockDimX = kThreads;
+  config.blockDimY = 1;
+  config.blockDimZ = 1;
+  config.hStream = stream;
+  return cu::Check(d, "cuLaunchKernelEx", d.LaunchKernelEx(&config, mailbox.merge, params, nullptr));
 }
 
 }  // namespace
+
+int64_t dcp::FlagsPerRow(int64_t dcp_size, int64_t heads_own, int64_t head_tile, int64_t split) {
+  const int64_t padded = (dcp_size * heads_own + kHeadGrain - 1) / kHeadGrain * kHeadGrain;
+  return (padded + head_tile - 1) / head_tile * split;
+}
+
+ffi::ErrorOr<dcp::PushTarget> dcp::PushTargetFor(CUstream stream, int64_t dcp_size,
+                                                 int64_t batch, int64_t heads_own,
+                                                 int64_t flags_per_row) {
+  ffi::ErrorOr<Mailbox*> found = MailboxFor(stream, dcp_size);
+  if (found.has_error()) return ffi::Unexpected<ffi::Error>(found.error());
+  ffi::ErrorOr<Layout> layout = CheckedLayout(*found.value(), batch, heads_own, flags_per_row);
+  if (layout.has_error()) return ffi::Unexpected<ffi::Error>(layout.error());
+  return PushTarget{found.value()->header, static_cast<uint32_t>(layout.value().latent_offset),
+                    static_cast<uint32_t>(layout.value().lse_offset)};
+}
 
 // Sets up one group (rank r is CUDA device ordinals[r]). Returns 0, or 1 with a NUL-terminated
 // reason in `message`.
@@ -408,19 +396,7 @@ JAX_SPARSE_MLA_EXPORT int JaxSparseMlaDcpStatus(int32_t ordinal, uint32_t* recor
   return -1;
 }
 
-JAX_SPARSE_MLA_EXPORT XLA_FFI_Error* JaxSparseMlaDcpPush(XLA_FFI_CallFrame* call_frame);
 JAX_SPARSE_MLA_EXPORT XLA_FFI_Error* JaxSparseMlaDcpMerge(XLA_FFI_CallFrame* call_frame);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaDcpPush, Push,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<LatentBuffer>()   // partials of all owners' heads
-                                  .Arg<LseBuffer>()      // their LSEs
-                                  .Arg<ScalarBuffer>()   // rank (lax.axis_index)
-                                  .Arg<ScalarBuffer>()   // step
-                                  .Ret<TokenBuffer>()    // orders the merge after the push
-                                  .Attr<int64_t>("dcp_size"),
-                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaDcpMerge, Merge,
                               ffi::Ffi::Bind()
@@ -429,5 +405,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaDcpMerge, Merge,
                                   .Arg<ScalarBuffer>()  // step
                                   .Ret<LatentBuffer>()  // merged rows of this rank's heads
                                   .Ret<LseBuffer>()
-                                  .Attr<int64_t>("dcp_size"),
+                                  .Attr<int64_t>("dcp_size")
+                                  .Attr<int64_t>("head_tile")  // the decode's launch: which
+                                  .Attr<int64_t>("split"),     // of its CTAs' flags to await
                               {ffi::Traits::kCmdBufferCompatible});

@@ -11,8 +11,15 @@
 //   smem_bytes   i64      dynamic shared memory per block
 // Parameter ABI of the entry (PARAMS in jax_sparse_mla/kernel/config.py): q, kv, rows, valid,
 // scales, latent, lse as device pointers, then n_rows = kv.shape[0], width = rows.shape[1],
-// heads = q.shape[1] (Hp) and row_bytes = kv.shape[1] as i32. Nothing about the shape is
-// compiled into the cubin: the grid and the sizes come from the buffers of each call.
+// heads = q.shape[1] (Hp) and row_bytes = kv.shape[1] as i32, then the push exchange's
+// parameters: the mailbox header, rank and step pointers, D, H_own and the mailbox offsets
+// (null pointers, 1, Hp, 0 and 0 for a plain decode). Nothing about the shape is compiled into
+// the cubin: the grid and the sizes come from the buffers of each call.
+//
+// Two targets share the instantiate stage: "jax_sparse_mla_decode" (results latent, lse) and
+// "jax_sparse_mla_decode_push" (dcp_decode(exchange="push"): operands rank and step, attributes
+// dcp_size and heads_own, a token result; the kernel stores the rows into the owners' mailboxes,
+// see dcp_exchange.cc).
 //
 // Stages:
 // - instantiate (once per executable, while XLA builds its thunks; no stream, no device is
@@ -33,6 +40,7 @@
 // requesting the CUDA 12.0 ABI of each (so a 12.x driver still works); see cuda_driver.h.
 
 #include "cuda_driver.h"
+#include "dcp_exchange.h"
 
 #include <cstdint>
 #include <memory>
@@ -73,6 +81,28 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(LaunchSpec,
                                       ffi::StructMember<ffi::Span<const int64_t>>("block"),
                                       ffi::StructMember<ffi::Span<const int64_t>>("cluster"),
                                       ffi::StructMember<int64_t>("smem_bytes"));
+
+// The push target's attributes: the launch spec's and the exchange's sizes (read in execute).
+struct PushLaunchSpec {
+  ffi::Span<const uint8_t> cubin;
+  std::string_view kernel_name;
+  int64_t head_tile;
+  ffi::Span<const int64_t> block;
+  ffi::Span<const int64_t> cluster;
+  int64_t smem_bytes;
+  int64_t dcp_size;
+  int64_t heads_own;
+};
+
+XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(PushLaunchSpec,
+                                      ffi::StructMember<ffi::Span<const uint8_t>>("cubin"),
+                                      ffi::StructMember<std::string_view>("kernel_name"),
+                                      ffi::StructMember<int64_t>("head_tile"),
+                                      ffi::StructMember<ffi::Span<const int64_t>>("block"),
+                                      ffi::StructMember<ffi::Span<const int64_t>>("cluster"),
+                                      ffi::StructMember<int64_t>("smem_bytes"),
+                                      ffi::StructMember<int64_t>("dcp_size"),
+                                      ffi::StructMember<int64_t>("heads_own"));
 
 // The kernel loaded into each CUDA context the executable can run in, plus its launch shape.
 struct KernelState {
@@ -255,6 +285,11 @@ ffi::ErrorOr<std::unique_ptr<KernelState>> Instantiate(LaunchSpec spec) {
   return state;
 }
 
+ffi::ErrorOr<std::unique_ptr<KernelState>> InstantiatePush(PushLaunchSpec spec) {
+  return Instantiate(LaunchSpec{spec.cubin, spec.kernel_name, spec.head_tile, spec.block,
+                                spec.cluster, spec.smem_bytes});
+}
+
 // Typed buffers of the kernel's operands. The FFI headers have no native type for FP8, so q
 // and kv are untyped here and their dtype and rank are checked in Execute.
 using Fp8Buffer = ffi::AnyBuffer;
@@ -277,10 +312,26 @@ ffi::Error InvalidShape(std::string message) {
   return ffi::Error::InvalidArgument("jax_sparse_mla: " + std::move(message));
 }
 
-ffi::Error Execute(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8Buffer kv,
-                   RowsBuffer rows, ValidBuffer valid, ScalesBuffer scales,
-                   ffi::Result<LatentBuffer> latent, ffi::Result<LseBuffer> lse,
-                   ffi::Dictionary /*spec*/) {
+// Where the kernel's results go (the ABI's last seven parameters besides latent and lse).
+struct Outputs {
+  void* latent = nullptr;
+  void* lse = nullptr;
+  void* exchange = nullptr;  // the mailbox header, or null
+  void* rank = nullptr;
+  void* step = nullptr;
+  int32_t dcp = 1;
+  int32_t heads_own = 0;  // Hp without an exchange
+  int32_t latent_offset = 0;
+  int32_t lse_offset = 0;
+};
+
+// The launch's grid columns (CTAs per row) for Hp padded heads.
+int64_t CtasPerRow(const KernelState& state, int64_t heads) {
+  return (heads + state.head_tile - 1) / state.head_tile * state.cluster[0];
+}
+
+ffi::Error Launch(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8Buffer kv,
+                  RowsBuffer rows, ValidBuffer valid, ScalesBuffer scales, Outputs out) {
   const cu::Driver& d = *state->driver;
   if (ffi::Error error = CheckFp8("q", q, 3); error.failure()) return error;
   if (ffi::Error error = CheckFp8("kv", kv, 2); error.failure()) return error;
@@ -299,16 +350,13 @@ ffi::Error Execute(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8Buff
                         std::to_string(row_bytes) + "]");
   }
   if (rows.dimensions()[0] != batch || valid.dimensions()[0] != batch ||
-      latent->dimensions()[0] != batch || latent->dimensions()[1] != heads ||
-      latent->dimensions()[2] != kLatent || lse->dimensions()[0] != batch ||
-      lse->dimensions()[1] != heads || scales.dimensions()[0] != 2) {
+      scales.dimensions()[0] != 2) {
     return InvalidShape("operand shapes disagree with q [" + std::to_string(batch) + ", " +
                         std::to_string(heads) + ", 576]");
   }
-  const int64_t tiles = (heads + state->head_tile - 1) / state->head_tile;
   if (batch < 1 || batch > cu::kMaxGridY || heads < 1 || heads % kHeadGrain != 0 ||
-      tiles * state->cluster[0] > INT32_MAX || width < 1 ||
-      width > INT32_MAX || kv_rows > INT32_MAX) {
+      CtasPerRow(*state, heads) > INT32_MAX || width < 1 || width > INT32_MAX ||
+      kv_rows > INT32_MAX) {
     return InvalidShape("unsupported sizes: B=" + std::to_string(batch) +
                         " (1.." + std::to_string(cu::kMaxGridY) + "), Hp=" + std::to_string(heads) +
                         " (a multiple of " + std::to_string(kHeadGrain) +
@@ -332,15 +380,16 @@ ffi::Error Execute(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8Buff
   void* rows_ptr = rows.untyped_data();
   void* valid_ptr = valid.untyped_data();
   void* scales_ptr = scales.untyped_data();
-  void* latent_ptr = latent->untyped_data();
-  void* lse_ptr = lse->untyped_data();
   int32_t n_rows = static_cast<int32_t>(kv_rows);
   int32_t width_param = static_cast<int32_t>(width);
   int32_t heads_param = static_cast<int32_t>(heads);
   int32_t row_bytes_param = static_cast<int32_t>(row_bytes);
-  void* params[] = {&q_ptr,   &kv_ptr,      &rows_ptr,    &valid_ptr,
-                    &scales_ptr, &latent_ptr, &lse_ptr,  &n_rows,
-                    &width_param, &heads_param, &row_bytes_param};
+  if (out.exchange == nullptr) out.heads_own = heads_param;
+  void* params[] = {&q_ptr,          &kv_ptr,       &rows_ptr,          &valid_ptr,
+                    &scales_ptr,     &out.latent,   &out.lse,           &n_rows,
+                    &width_param,    &heads_param,  &row_bytes_param,   &out.exchange,
+                    &out.rank,       &out.step,     &out.dcp,           &out.heads_own,
+                    &out.latent_offset, &out.lse_offset};
 
   CUlaunchAttribute attrs[2] = {};
   attrs[0].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
@@ -351,7 +400,7 @@ ffi::Error Execute(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8Buff
   attrs[1].value.programmaticStreamSerializationAllowed = 1;
 
   CUlaunchConfig config{};
-  config.gridDimX = static_cast<unsigned int>(tiles) * state->cluster[0];
+  config.gridDimX = static_cast<unsigned int>(CtasPerRow(*state, heads));
   config.gridDimY = static_cast<unsigned int>(batch);
   config.gridDimZ = 1;
   config.blockDimX = state->block[0];
@@ -365,11 +414,68 @@ ffi::Error Execute(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8Buff
                    d.LaunchKernelEx(&config, entry->function, params, /*extra=*/nullptr));
 }
 
+ffi::Error Execute(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8Buffer kv,
+                   RowsBuffer rows, ValidBuffer valid, ScalesBuffer scales,
+                   ffi::Result<LatentBuffer> latent, ffi::Result<LseBuffer> lse,
+                   ffi::Dictionary /*spec*/) {
+  const int64_t batch = q.dimensions()[0];
+  const int64_t heads = q.dimensions()[1];
+  if (latent->dimensions()[0] != batch || latent->dimensions()[1] != heads ||
+      latent->dimensions()[2] != kLatent || lse->dimensions()[0] != batch ||
+      lse->dimensions()[1] != heads) {
+    return InvalidShape("results latent, lse disagree with q [" + std::to_string(batch) + ", " +
+                        std::to_string(heads) + ", 576]");
+  }
+  Outputs out;
+  out.latent = latent->untyped_data();
+  out.lse = lse->untyped_data();
+  return Launch(stream, state, q, kv, rows, valid, scales, out);
+}
+
+using ScalarBuffer = ffi::Buffer<ffi::S32, 0>;
+using TokenBuffer = ffi::Buffer<ffi::S32, 1>;
+
+ffi::Error ExecutePush(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8Buffer kv,
+                       RowsBuffer rows, ValidBuffer valid, ScalesBuffer scales, ScalarBuffer rank,
+                       ScalarBuffer step, ffi::Result<TokenBuffer> /*token*/,
+                       ffi::Dictionary attrs) {
+  ffi::ErrorOr<int64_t> dcp_size = attrs.get<int64_t>("dcp_size");
+  ffi::ErrorOr<int64_t> heads_own = attrs.get<int64_t>("heads_own");
+  if (dcp_size.has_error() || heads_own.has_error()) {
+    return ffi::Error::InvalidArgument("jax_sparse_mla: decode_push needs the int64 attributes "
+                                       "dcp_size and heads_own");
+  }
+  const int64_t batch = q.dimensions()[0];
+  const int64_t heads = q.dimensions()[1];
+  const int64_t gathered = dcp_size.value() * heads_own.value();
+  if (dcp_size.value() < 2 || heads_own.value() < 1 ||
+      (gathered + kHeadGrain - 1) / kHeadGrain * kHeadGrain != heads) {
+    return InvalidShape("decode_push: D=" + std::to_string(dcp_size.value()) + " ranks of " +
+                        std::to_string(heads_own.value()) + " heads do not pad to q's " +
+                        std::to_string(heads) + " heads");
+  }
+  ffi::ErrorOr<dcp::PushTarget> target = dcp::PushTargetFor(
+      stream, dcp_size.value(), batch, heads_own.value(), CtasPerRow(*state, heads));
+  if (target.has_error()) return target.error();
+  Outputs out;
+  out.exchange = reinterpret_cast<void*>(target.value().header);
+  out.rank = rank.untyped_data();
+  out.step = step.untyped_data();
+  out.dcp = static_cast<int32_t>(dcp_size.value());
+  out.heads_own = static_cast<int32_t>(heads_own.value());
+  out.latent_offset = static_cast<int32_t>(target.value().latent_offset);
+  out.lse_offset = static_cast<int32_t>(target.value().lse_offset);
+  return Launch(stream, state, q, kv, rows, valid, scales, out);
+}
+
 }  // namespace
 
 // Exported symbols of the decode handler (the library is built with hidden visibility).
 JAX_SPARSE_MLA_EXPORT XLA_FFI_Error* JaxSparseMlaDecodeInstantiate(XLA_FFI_CallFrame* call_frame);
 JAX_SPARSE_MLA_EXPORT XLA_FFI_Error* JaxSparseMlaDecodeExecute(XLA_FFI_CallFrame* call_frame);
+JAX_SPARSE_MLA_EXPORT XLA_FFI_Error* JaxSparseMlaDecodePushInstantiate(
+    XLA_FFI_CallFrame* call_frame);
+JAX_SPARSE_MLA_EXPORT XLA_FFI_Error* JaxSparseMlaDecodePushExecute(XLA_FFI_CallFrame* call_frame);
 JAX_SPARSE_MLA_EXPORT XLA_FFI_TypeId* JaxSparseMlaDecodeStateTypeId();
 JAX_SPARSE_MLA_EXPORT const XLA_FFI_TypeInfo* JaxSparseMlaDecodeStateTypeInfo();
 
@@ -388,6 +494,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaDecodeExecute, Execute,
                                   .Ret<LatentBuffer>()                       // latent
                                   .Ret<LseBuffer>()                          // lse
                                   .Attrs(),  // launch spec: read at instantiation
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaDecodePushInstantiate, InstantiatePush,
+                              ffi::Ffi::BindInstantiate().Attrs<PushLaunchSpec>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaDecodePushExecute, ExecutePush,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
+                                  .Ctx<ffi::State<KernelState>>()            // state
+                                  .Arg<Fp8Buffer>()                          // q (gathered)
+                                  .Arg<Fp8Buffer>()                          // kv
+                                  .Arg<RowsBuffer>()                         // rows
+                                  .Arg<ValidBuffer>()                        // valid
+                                  .Arg<ScalesBuffer>()                       // scales
+                                  .Arg<ScalarBuffer>()                       // rank
+                                  .Arg<ScalarBuffer>()                       // step
+                                  .Ret<TokenBuffer>()  // orders the owners' merge after it
+                                  .Attrs(),  // launch spec, dcp_size, heads_own
                               {ffi::Traits::kCmdBufferCompatible});
 
 // The state's type, registered from Python with jax.ffi.register_ffi_type.

@@ -48,6 +48,8 @@ from jax_sparse_mla.kernel.config import (
 
 FFI_TARGET = "jax_sparse_mla_decode"
 """Name of the custom call target (registered for the CUDA platform)."""
+PUSH_FFI_TARGET = "jax_sparse_mla_decode_push"
+"""The decode that pushes its rows into the owners' mailboxes (``push_exchange``)."""
 
 STATE_TYPE = "jax_sparse_mla_decode_state"
 LIBRARY_NAME = "libsparse_mla_ffi.so"
@@ -98,14 +100,12 @@ def register_ffi_target() -> pathlib.Path:
             },
             platform="CUDA",
         )
-        jax.ffi.register_ffi_target(
-            FFI_TARGET,
-            {
-                "instantiate": jax.ffi.pycapsule(library.JaxSparseMlaDecodeInstantiate),
-                "execute": jax.ffi.pycapsule(library.JaxSparseMlaDecodeExecute),
-            },
-            platform="CUDA",
-        )
+        for target, stem in ((FFI_TARGET, "Decode"), (PUSH_FFI_TARGET, "DecodePush")):
+            stages = {
+                stage: jax.ffi.pycapsule(getattr(library, f"JaxSparseMla{stem}{stage.title()}"))
+                for stage in ("instantiate", "execute")
+            }
+            jax.ffi.register_ffi_target(target, stages, platform="CUDA")
         _registered_library = path
         return path
 
@@ -115,7 +115,7 @@ def export_disabled_checks() -> tuple[jax.export.DisabledSafetyCheck, ...]:
     the decode kernel's and the push exchange's (``dcp_decode(exchange="push")``)."""
     from jax_sparse_mla import push_exchange  # imported here: it imports this module
 
-    targets = (FFI_TARGET, push_exchange.PUSH_TARGET, push_exchange.MERGE_TARGET)
+    targets = (FFI_TARGET, PUSH_FFI_TARGET, push_exchange.MERGE_TARGET)
     return tuple(jax.export.DisabledSafetyCheck.custom_call(target) for target in targets)
 
 
@@ -149,7 +149,7 @@ def _local_cuda_capabilities() -> tuple[str, ...] | None:
 
 
 @functools.cache
-def _sm_count() -> int:
+def sm_count() -> int:
     """The local GPUs' smallest SM count; the H200's when lowering without a GPU."""
     counts = [getattr(d, "core_count", 0) for d in _local_cuda_devices()]
     return min(counts) if counts and min(counts) > 0 else dispatch.H200_SMS
@@ -168,7 +168,7 @@ def _check_meta(kernel: kernel_compile.CompiledKernel, config: KernelConfig) -> 
         raise RuntimeError(f"cubin metadata for {config} does not match the ABI: {seen=}")
 
 
-def _kernel_or_reason(
+def kernel_or_reason(
     avals: Sequence[jax.core.ShapedArray], config: KernelConfig | None, valid_hint: int | None
 ):
     """(CompiledKernel, None) when the kernel can run these shapes, else (None, reason)."""
@@ -190,7 +190,7 @@ def _kernel_or_reason(
         return None, str(err)
     if config is None:
         width = rows.shape[1] if valid_hint is None else min(rows.shape[1], valid_hint)
-        config = dispatch.choose_config(batch, padded_heads, width, _sm_count())
+        config = dispatch.choose_config(batch, padded_heads, width, sm_count())
     try:
         kernel = kernel_compile.get_kernel(config)
     except (KernelUnavailableError, ImportError) as err:
@@ -215,7 +215,7 @@ def _cuda_lowering(ctx, q, kv, rows, valid, scales, *, require_kernel, config, v
     if any(size == 0 for aval in avals[:3] for size in aval.shape):
         # Nothing to launch: empty outputs, or no keys at all (zeros and -inf).
         return fallback(ctx, q, kv, rows, valid, scales)
-    kernel, reason = _kernel_or_reason(avals, config, valid_hint)
+    kernel, reason = kernel_or_reason(avals, config, valid_hint)
     if kernel is None:
         if require_kernel:
             raise NotImplementedError(f"implementation='cute' cannot use the kernel: {reason}")

@@ -32,8 +32,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_sparse_mla import push_exchange, validation
+from jax_sparse_mla.kernel.config import KernelConfig
 from jax_sparse_mla.merge import merge_along
-from jax_sparse_mla.ops import decode
+from jax_sparse_mla.ops import decode, kernel_operands
 
 __all__ = ["FILL_ROW", "dcp_decode", "local_rows"]
 
@@ -193,6 +194,7 @@ def dcp_decode(
     exchange: str = "collectives",
     step: int | jax.Array | None = None,
     valid_hint: int | None = None,
+    kernel_config: KernelConfig | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Sparse MLA decode under decode context parallelism; call inside ``jax.shard_map``.
 
@@ -222,6 +224,7 @@ def dcp_decode(
         must alternate its parity (a decode loop's counter; ``step * layers + layer`` with
         several exchanges per step). Unused by "collectives".
       valid_hint: as for ``jax_sparse_mla.decode``, of this rank's valid keys per row.
+      kernel_config: as for ``jax_sparse_mla.decode`` (both exchanges run that kernel).
 
     Returns:
       latent: [B, H_own, 512] bfloat16, this rank's heads merged over all ranks' keys.
@@ -245,6 +248,7 @@ def dcp_decode(
         kv_scale=kv_scale,
         implementation=implementation,
         valid_hint=valid_hint,
+        kernel_config=kernel_config,
     )
     if dcp_size == 1:
         return decode(q, kv, rows, valid, **kwargs)
@@ -252,19 +256,30 @@ def dcp_decode(
     # Gathered as raw bytes: a backend may widen an FP8 collective (XLA:CPU gathers f16).
     gathered = lax.all_gather(lax.bitcast_convert_type(q, jnp.uint8), axis_name, axis=1, tiled=True)
     gathered = lax.bitcast_convert_type(gathered, q.dtype)
-    latent, lse = decode(gathered, kv, rows, valid, **kwargs)
 
-    def collectives(latent, lse, rank, step):
+    def collectives(gathered, kv, rows, valid, rank, step):
         del rank, step
+        latent, lse = decode(gathered, kv, rows, valid, **kwargs)
         return _collectives_exchange(latent, lse, axis_name=axis_name, dcp_size=dcp_size)
 
     if exchange == "collectives" or implementation == "reference":
-        return collectives(latent, lse, None, None)
+        return collectives(gathered, kv, rows, valid, None, None)
 
-    def push(latent, lse, rank, step):
-        merged = push_exchange.exchange(latent, lse, rank=rank, step=step, dcp_size=dcp_size)
+    def push(gathered, kv, rows, valid, rank, step):
+        _, operands = kernel_operands(gathered, kv, rows, valid, **kwargs)
+        merged = push_exchange.decode_and_exchange(
+            *operands,
+            rank=rank,
+            step=step,
+            dcp_size=dcp_size,
+            heads_own=q.shape[1],
+            valid_hint=valid_hint,
+            kernel_config=kernel_config,
+        )
         # Typed like the collectives' results: they vary over the axis (shard_map's check_vma).
         return lax.pcast(merged, axis_name, to="varying")
 
     rank = lax.axis_index(axis_name).astype(jnp.int32)
-    return lax.platform_dependent(latent, lse, rank, step_value, default=collectives, cuda=push)
+    return lax.platform_dependent(
+        gathered, kv, rows, valid, rank, step_value, default=collectives, cuda=push
+    )

@@ -60,6 +60,48 @@ def decode(
 
     Not differentiable (inference only).
     """
+    implementation, operands = kernel_operands(
+        q,
+        kv,
+        rows,
+        valid,
+        softmax_scale=softmax_scale,
+        q_scale=q_scale,
+        kv_scale=kv_scale,
+        implementation=implementation,
+        kernel_config=kernel_config,
+        valid_hint=valid_hint,
+    )
+    if implementation == "reference":  # arguments checked: straight to the math
+        return reference.decode_flat(*operands)
+    heads = jnp.shape(q)[1]
+    latent, lse = sparse_mla_decode_p.bind(
+        *operands,
+        require_kernel=implementation == "cute",
+        config=kernel_config,
+        valid_hint=valid_hint,
+    )
+    if operands[0].shape[1] != heads:
+        latent, lse = latent[:, :heads], lse[:, :heads]
+    return latent, lse
+
+
+def kernel_operands(
+    q,
+    kv,
+    rows,
+    valid,
+    *,
+    softmax_scale,
+    q_scale,
+    kv_scale,
+    implementation,
+    kernel_config,
+    valid_hint,
+):
+    """decode's arguments checked (errors name the argument) and normalized for the kernel:
+    (implementation, (q [B, Hp, 576] with H padded to Hp, a multiple of 16, for every
+    implementation but "reference"; kv [N, W] flat rows; rows; valid; scales f32[2]))."""
     implementation = validation.check_implementation(implementation)
     if kernel_config is not None:
         if not isinstance(kernel_config, KernelConfig):
@@ -79,23 +121,9 @@ def decode(
     kv_scale = validation.check_scale("kv_scale", kv_scale)
     scales = validation.kernel_scales(softmax_scale, q_scale, kv_scale)
     kv = validation.flat_cache(jnp.asarray(kv))
-    if implementation == "reference":  # arguments checked above: straight to the math
-        return reference.decode_flat(jnp.asarray(q), kv, rows, valid, scales)
+    q = jnp.asarray(q)
     heads = shapes.heads
     padded = -(-heads // validation.HEAD_TILE) * validation.HEAD_TILE
-    q = jnp.asarray(q)
-    if padded != heads:
+    if padded != heads and implementation != "reference":
         q = jnp.pad(q, ((0, 0), (0, padded - heads), (0, 0)))
-    latent, lse = sparse_mla_decode_p.bind(
-        q,
-        kv,
-        jnp.asarray(rows),
-        jnp.asarray(valid),
-        scales,
-        require_kernel=implementation == "cute",
-        config=kernel_config,
-        valid_hint=valid_hint,
-    )
-    if padded != heads:
-        latent, lse = latent[:, :heads], lse[:, :heads]
-    return latent, lse
+    return implementation, (q, kv, jnp.asarray(rows), jnp.asarray(valid), scales)

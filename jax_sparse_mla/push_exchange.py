@@ -1,17 +1,19 @@
 """The one-sided DCP exchange (``dcp_decode(exchange="push")``) on CUDA GPUs of one process.
 
-Each rank's partials are pushed by a small kernel straight into the owner's mailbox on the
-owner's GPU (plain stores over NVLink, a system-scope release of one flag per source and row);
-the owner's merge kernel acquire-polls those flags with a bounded wait and merges by LSE into
-the final rows. No collective is involved. The mailboxes belong to the FFI library
-(``ffi/dcp_exchange.cc``): ``dcp_setup`` allocates, zeroes and peer-maps them eagerly, once,
-before the first call; nothing is allocated while a program runs.
+The decode kernel itself pushes: each CTA stores its result rows straight into the owners'
+mailboxes on the owners' GPUs (plain stores over NVLink) and then releases one flag per owner
+at system scope; the owner's merge kernel acquire-polls the flags of the CTAs that hold its
+heads with a bounded wait and merges by LSE into the final rows. No collective and no copy
+kernel is involved. The mailboxes belong to the FFI library (``ffi/dcp_exchange.cc``):
+``dcp_setup`` allocates, zeroes and peer-maps them eagerly, once, before the first call;
+nothing is allocated while a program runs.
 
 The caller's ``step`` (a traced int32) picks the mailbox slot ``step & 1`` and the flag value
 ``(step & 0x7fffffff) + 1``. Consecutive push exchanges on a mesh must alternate parity (a
 decode loop's counter; with several exchanges per decode step, e.g. one per layer, use
-``step * num_layers + layer``); the push kernel refuses a repeated parity, and the owners then
-time out with NaN rows and a recorded error rather than read a slot still being merged.
+``step * num_layers + layer``); the decode refuses a repeated parity (it pushes nothing), and
+the owners then time out with NaN rows and a recorded error rather than read a slot still
+being merged.
 
 Failures (a rank whose push never arrives within the timeout, a repeated parity, a rank that
 disagrees with ``dcp_setup``'s device order) give NaN rows for the affected rows and an error
@@ -37,15 +39,24 @@ from jax.extend import core
 from jax.interpreters import mlir
 
 from jax_sparse_mla import cuda_lowering
+from jax_sparse_mla.kernel.config import KernelConfig
+from jax_sparse_mla.kernel.dispatch import choose_config
 from jax_sparse_mla.validation import LATENT
 
-__all__ = ["DEFAULT_CAPACITY_BYTES", "DEFAULT_TIMEOUT_S", "dcp_check", "dcp_setup", "exchange"]
+__all__ = [
+    "DEFAULT_CAPACITY_BYTES",
+    "DEFAULT_TIMEOUT_S",
+    "dcp_check",
+    "dcp_setup",
+    "decode_and_exchange",
+]
 
-PUSH_TARGET = "jax_sparse_mla_dcp_push"
 MERGE_TARGET = "jax_sparse_mla_dcp_merge"
 DEFAULT_CAPACITY_BYTES = 64 << 20
-"""Mailbox bytes per device: about ``4 * D * B * H_own * 1028`` are needed (two slots, D sources,
-bf16 rows and f32 LSEs), so the default holds e.g. D=8, B=64, H_own=16."""
+"""Mailbox bytes per device: about ``2 * D * B * H_own * 1028`` are needed (two slots, D sources,
+bf16 rows and f32 LSEs, plus a few flags per row), so the default holds e.g. D=8, B=256,
+H_own=16. At most 2**31 - 1."""
+MAX_CAPACITY_BYTES = 2**31 - 1
 DEFAULT_TIMEOUT_S = 5.0
 """How long a merge waits for a rank's partials before it gives NaN rows and an error."""
 
@@ -79,10 +90,8 @@ def _load_library() -> ctypes.CDLL:
                 ctypes.c_int32,
                 ctypes.POINTER(ctypes.c_uint32),
             ]
-            targets = {PUSH_TARGET: "JaxSparseMlaDcpPush", MERGE_TARGET: "JaxSparseMlaDcpMerge"}
-            for target, symbol in targets.items():
-                handler = jax.ffi.pycapsule(getattr(library, symbol))
-                jax.ffi.register_ffi_target(target, handler, platform="CUDA")
+            handler = jax.ffi.pycapsule(library.JaxSparseMlaDcpMerge)
+            jax.ffi.register_ffi_target(MERGE_TARGET, handler, platform="CUDA")
             _library = library
         return _library
 
@@ -126,8 +135,10 @@ def dcp_setup(
     (e.g. no peer access between two devices).
     """
     groups = _groups(mesh, axis_name)
-    if not isinstance(capacity_bytes, int) or capacity_bytes < 4096:
-        raise ValueError(f"capacity_bytes must be an int >= 4096, got {capacity_bytes!r}")
+    if not isinstance(capacity_bytes, int) or not 4096 <= capacity_bytes <= MAX_CAPACITY_BYTES:
+        raise ValueError(
+            f"capacity_bytes must be an int in [4096, {MAX_CAPACITY_BYTES}], got {capacity_bytes!r}"
+        )
     if not timeout_s > 0:
         raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
     if any(d.platform != "gpu" for group in groups for d in group):
@@ -182,27 +193,27 @@ def dcp_check() -> None:
 
 # ---- primitives ---------------------------------------------------------------------------
 
-dcp_push_p = core.Primitive("sparse_mla_dcp_push")
-dcp_push_p.def_impl(functools.partial(dispatch.apply_primitive, dcp_push_p))
+decode_push_p = core.Primitive("sparse_mla_decode_push")
+decode_push_p.def_impl(functools.partial(dispatch.apply_primitive, decode_push_p))
 dcp_merge_p = core.Primitive("sparse_mla_dcp_merge")
 dcp_merge_p.multiple_results = True
 dcp_merge_p.def_impl(functools.partial(dispatch.apply_primitive, dcp_merge_p))
 
 
-def _push_abstract_eval(latent, lse, rank, step, *, dcp_size):
-    del latent, lse, rank, step, dcp_size
+def _decode_push_abstract_eval(q, kv, rows, valid, scales, rank, step, **params):
+    del q, kv, rows, valid, scales, rank, step, params
     return ShapedArray((1,), jnp.int32)
 
 
-def _merge_abstract_eval(token, step, *, dcp_size, batch, heads_own):
-    del token, step, dcp_size
+def _merge_abstract_eval(token, step, *, dcp_size, batch, heads_own, config):
+    del token, step, dcp_size, config
     return (
         ShapedArray((batch, heads_own, LATENT), jnp.bfloat16),
         ShapedArray((batch, heads_own), jnp.float32),
     )
 
 
-dcp_push_p.def_abstract_eval(_push_abstract_eval)
+decode_push_p.def_abstract_eval(_decode_push_abstract_eval)
 dcp_merge_p.def_abstract_eval(_merge_abstract_eval)
 
 
@@ -215,40 +226,80 @@ def _require_setup() -> None:
         )
 
 
-def _push_lowering(ctx, latent, lse, rank, step, *, dcp_size):
+def _decode_push_lowering(ctx, *operands, dcp_size, heads_own, config, valid_hint):
     _require_setup()
-    rule = jax.ffi.ffi_lowering(PUSH_TARGET, has_side_effect=True)
-    return rule(ctx, latent, lse, rank, step, dcp_size=np.int64(dcp_size))
+    kernel, reason = cuda_lowering.kernel_or_reason(ctx.avals_in, config, valid_hint)
+    if kernel is None:
+        raise NotImplementedError(
+            f"dcp_decode(exchange='push') needs the decode kernel: {reason}; use "
+            "exchange='collectives'"
+        )
+    rule = jax.ffi.ffi_lowering(cuda_lowering.PUSH_FFI_TARGET, has_side_effect=True)
+    return rule(
+        ctx,
+        *operands,
+        **cuda_lowering.kernel_attributes(kernel),
+        dcp_size=np.int64(dcp_size),
+        heads_own=np.int64(heads_own),
+    )
 
 
-def _merge_lowering(ctx, token, step, *, dcp_size, batch, heads_own):
+def _merge_lowering(ctx, token, step, *, dcp_size, batch, heads_own, config):
     del batch, heads_own  # the result shapes carry them
     _require_setup()
     rule = jax.ffi.ffi_lowering(MERGE_TARGET, has_side_effect=True)
-    return rule(ctx, token, step, dcp_size=np.int64(dcp_size))
+    return rule(
+        ctx,
+        token,
+        step,
+        dcp_size=np.int64(dcp_size),
+        head_tile=np.int64(config.head_tile),
+        split=np.int64(config.split),
+    )
 
 
-mlir.register_lowering(dcp_push_p, _push_lowering, platform="cuda")
+mlir.register_lowering(decode_push_p, _decode_push_lowering, platform="cuda")
 mlir.register_lowering(dcp_merge_p, _merge_lowering, platform="cuda")
 
 
-def exchange(latent, lse, *, rank, step, dcp_size: int):
-    """Pushes this rank's partials to their owners and merges what it owns.
+def decode_and_exchange(
+    q,
+    kv,
+    rows,
+    valid,
+    scales,
+    *,
+    rank,
+    step,
+    dcp_size: int,
+    heads_own: int,
+    valid_hint: int | None,
+    kernel_config: KernelConfig | None,
+):
+    """The decode of every rank's heads on this rank's keys, pushed to the heads' owners, and
+    the merge of what this rank owns.
 
-    latent [B, D * H_own, 512] bf16 and lse [B, D * H_own] f32 are this rank's partials for
-    every rank's heads (owner r holds heads r * H_own ...); rank and step are int32 scalars.
-    Returns the merged latent [B, H_own, 512] bf16 and lse [B, H_own] f32 of this rank's
-    heads. CUDA only (``dcp_decode`` routes other platforms to the collectives).
+    Operands as ``ops.kernel_operands`` makes them: q [B, Hp, 576] (the D * H_own gathered
+    heads padded to Hp), kv [N, W], rows [B, K], valid [B], scales f32[2]; rank and step int32
+    scalars; gathered head ``r * heads_own + h`` belongs to rank r. ``kernel_config`` forces
+    the decode's config (else the dispatch rule's, as for ``decode``). Returns the merged
+    latent [B, H_own, 512] bf16 and lse [B, H_own] f32 of this rank's heads. CUDA only
+    (``dcp_decode`` routes other platforms to the collectives).
     """
-    batch, gathered, _ = latent.shape
+    batch, padded, _ = q.shape
+    width = rows.shape[1] if valid_hint is None else min(rows.shape[1], valid_hint)
+    # Chosen here, not at lowering: the merge must know the decode's launch (whose flags).
+    config = kernel_config or choose_config(batch, padded, width, cuda_lowering.sm_count())
     # The barriers keep XLA:GPU's dynamic-slice fusion from folding a slice of the operands or
     # an update of the results (e.g. a scan stacking the rows) into a clone of these calls: it
-    # keeps the original too (it has side effects), so the exchange would run twice per step,
-    # and a second merge waits for flags the first one consumed (seen on the H200: a timeout).
-    latent, lse, rank, step = lax.optimization_barrier((latent, lse, rank, step))
-    token = dcp_push_p.bind(latent, lse, rank, step, dcp_size=dcp_size)
+    # keeps the original too (it has side effects), so the exchange would run twice per step
+    # (seen on the H200 with the first exchange design: the second merge timed out).
+    operands = lax.optimization_barrier((q, kv, rows, valid, scales, rank, step))
+    token = decode_push_p.bind(
+        *operands, dcp_size=dcp_size, heads_own=heads_own, config=config, valid_hint=valid_hint
+    )
     merged = dcp_merge_p.bind(
-        token, step, dcp_size=dcp_size, batch=batch, heads_own=gathered // dcp_size
+        token, step, dcp_size=dcp_size, batch=batch, heads_own=heads_own, config=config
     )
     latent, lse = lax.optimization_barrier(tuple(merged))
     return latent, lse

@@ -214,15 +214,21 @@ def test_cuda_lowering_has_push_and_merge_and_no_all_to_all(monkeypatch):
     text = _lower_push_for_cuda(dcp=2, heads_own=16, batch=5)
     assert "all_to_all" not in text
     assert len(re.findall(r"stablehlo\.all_gather", text)) == 1  # q, as bytes
-    push = re.search(r"stablehlo\.custom_call @jax_sparse_mla_dcp_push\((.*)", text)
+    push = re.search(r"stablehlo\.custom_call @jax_sparse_mla_decode_push\((.*)", text)
     merge = re.search(r"(%\S+):2 = stablehlo\.custom_call @jax_sparse_mla_dcp_merge\((.*)", text)
     assert push and merge, text
     for call in (push.group(0), merge.group(0)):
         assert "has_side_effect = true" in call, call
         assert "dcp_size = 2" in call, call
-    assert "tensor<5x32x512xbf16>, tensor<5x32xf32>, tensor<i32>, tensor<i32>" in push.group(0)
+    # The decode itself pushes: the gathered q and the local cache in, a token out.
+    assert "tensor<5x32x576xf8E4M3FN>" in push.group(0)
+    assert "tensor<2xf32>, tensor<i32>, tensor<i32>) -> tensor<1xi32>" in push.group(0)
+    assert "heads_own = 16" in push.group(0) and 'kernel_name = "' in push.group(0)
     assert "-> (tensor<5x16x512xbf16>, tensor<5x16xf32>)" in merge.group(0)
-    token = re.search(r"(%\S+) = stablehlo\.custom_call @jax_sparse_mla_dcp_push", text).group(1)
+    # The merge awaits the flags of the decode's launch: its tile and split.
+    assert "head_tile = 16" in merge.group(0) and "split = " in merge.group(0)
+    assert "jax_sparse_mla_decode(" not in text  # no plain decode
+    token = re.search(r"(%\S+) = stablehlo\.custom_call @jax_sparse_mla_decode_push", text).group(1)
     assert merge.group(2).startswith(token), (token, merge.group(0))
 
 
@@ -235,9 +241,9 @@ def test_export_for_cuda_keeps_the_exchange(monkeypatch):
     except (FileNotFoundError, OSError) as err:
         pytest.skip(f"handler library not installed: {err}")
     fn, args = _push_program(2, 16, 5)
-    with pytest.raises(ValueError, match="jax_sparse_mla_dcp_push"):
+    with pytest.raises(ValueError, match="jax_sparse_mla_decode_push"):
         jax.export.export(fn, platforms=("cuda",))(*args)
     checks = jax_sparse_mla.cuda_lowering.export_disabled_checks()
     exported = jax.export.export(fn, platforms=("cuda",), disabled_checks=checks)(*args)
     text = jax.export.deserialize(exported.serialize()).mlir_module()
-    assert "@jax_sparse_mla_dcp_push" in text and "@jax_sparse_mla_dcp_merge" in text
+    assert "@jax_sparse_mla_decode_push" in text and "@jax_sparse_mla_dcp_merge" in text

@@ -185,6 +185,13 @@ def compile_kernel(config: KernelConfig, fingerprint: str, version: str) -> Comp
         cutlass.Int32(1),  # width
         cutlass.Int32(config.head_tile),  # heads
         cutlass.Int32(ROW),  # row_bytes
+        make_ptr(cutlass.Uint8, 0, gmem, assumed_align=16),  # exchange
+        make_ptr(cutlass.Int32, 0, gmem, assumed_align=4),  # rank
+        make_ptr(cutlass.Int32, 0, gmem, assumed_align=4),  # step
+        cutlass.Int32(1),  # dcp
+        cutlass.Int32(config.head_tile),  # heads_own
+        cutlass.Int32(0),  # latent_offset
+        cutlass.Int32(0),  # lse_offset
     )
     with tempfile.TemporaryDirectory(prefix="jax_sparse_mla-") as dump:
         options = f"--gpu-arch {ARCH} --keep-cubin --keep-ptx --dump-dir {dump}"

@@ -43,22 +43,35 @@ SMEM_BYTES = BAR_OFFSET + 8 * (STAGES + 1)
 
 
 ARCH = "sm_90a"
-# The ABI of every cubin: seven global pointers, then four i32 sizes. The batch B is the grid's
-# y extent; nothing else about the shape is compiled in.
+# The ABI of every cubin: global pointers and u32 sizes. The batch B is the grid's y extent;
+# nothing else about the shape is compiled in.
 PARAMS = (
     "q",  # [B, Hp, ROW] u8
     "kv",  # [n_rows, row_bytes] u8, the first ROW bytes of each row read
     "rows",  # [B, width] i32
     "valid",  # [B] i32
     "scales",  # f32[2]: scale_log2, out_scale
-    "latent",  # [B, Hp, LATENT] bf16
-    "lse",  # [B, Hp] f32
+    "latent",  # [B, Hp, LATENT] bf16 (null with an exchange)
+    "lse",  # [B, Hp] f32 (null with an exchange)
     "n_rows",
     "width",
     "heads",
     "row_bytes",
+    # The push exchange (dcp_decode(exchange="push")): null, or the device's mailbox header
+    # (ffi/dcp_exchange.cc), and then head h of row b goes to rank h // heads_own's mailbox.
+    "exchange",
+    "rank",  # s32[]: this rank (read only with an exchange)
+    "step",  # s32[]: the decode step (read only with an exchange)
+    "dcp",  # D (1 without an exchange)
+    "heads_own",  # H_own, heads per rank (Hp without an exchange)
+    "latent_offset",  # byte offsets of the latents and LSEs in every mailbox (0 without)
+    "lse_offset",
 )
-PARAM_TYPES = ("u64",) * 7 + ("u32",) * 4
+PARAM_TYPES = ("u64",) * 7 + ("u32",) * 4 + ("u64",) * 3 + ("u32",) * 4
+# The mailbox header's fields the kernels read (byte offsets; ffi/dcp_exchange.cc owns them).
+HEADER_RANK = 128  # u32 this device's rank
+HEADER_HAS_LAST = 132  # u32 an exchange ran since dcp_setup
+HEADER_LAST_STEP = 136  # u32 its step
 MAX_BATCH = 65535  # the grid's y extent
 
 

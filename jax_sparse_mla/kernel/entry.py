@@ -10,10 +10,30 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64
 
 from jax_sparse_mla.kernel import ptx
-from jax_sparse_mla.kernel.config import LATENT, LN2, KernelConfig
+from jax_sparse_mla.kernel.config import (
+    HEADER_HAS_LAST,
+    HEADER_LAST_STEP,
+    HEADER_RANK,
+    LATENT,
+    LN2,
+    KernelConfig,
+)
+
+# Error codes of the exchange's record (ffi/dcp_exchange.cc).
+REPEATED_PARITY = 2
+WRONG_RANK = 3
+
+
+class Destination:
+    """Where a CTA's results go, from the ABI's output and exchange parameters (runtime
+    values, built by ``DecodeKernel.destination``): latent / lse, or with an exchange the
+    owners' mailboxes (slot step & 1, row index ((slot * D + rank) * B + b) * H_own + h)."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
 
 
 class DecodeKernel:
@@ -46,11 +66,35 @@ class DecodeKernel:
         width: Int32,
         heads: Int32,
         row_bytes: Int32,
+        mExchange: cute.Pointer,
+        mRank: cute.Pointer,
+        mStep: cute.Pointer,
+        dcp: Int32,
+        heads_own: Int32,
+        latent_offset: Int32,
+        lse_offset: Int32,
     ):
         config = self.config
         tiles = (heads + config.head_tile - 1) // config.head_tile
         self.kernel(
-            mQ, mKV, mRows, mValid, mScales, mLatent, mLse, n_rows, width, heads, row_bytes
+            mQ,
+            mKV,
+            mRows,
+            mValid,
+            mScales,
+            mLatent,
+            mLse,
+            n_rows,
+            width,
+            heads,
+            row_bytes,
+            mExchange,
+            mRank,
+            mStep,
+            dcp,
+            heads_own,
+            latent_offset,
+            lse_offset,
         ).launch(
             grid=(tiles * config.split, 1, 1),
             block=config.block,
@@ -106,9 +150,75 @@ class DecodeKernel:
         return ptx.where(nonempty, top + cute.math.log2(total, fastmath=False), -math.inf)
 
     @cute.jit
-    def store_lse(self, mLse, gh, lse2):
-        """The natural-log LSE of row gh from its log2-unit ``lse2``."""
-        ptx.store_global_f32(mLse.toint() + gh * 4, lse2 * Float32(LN2))
+    def store_lse(self, address, lse2):
+        """The natural-log LSE at ``address`` from its log2-unit ``lse2``."""
+        ptx.store_global_f32(address, lse2 * Float32(LN2))
+
+    def destination(
+        self, mLatent, mLse, mExchange, mRank, mStep, dcp, heads_own, latent_offset, lse_offset, b
+    ) -> Destination:
+        """Row b's Destination. With an exchange it also checks the call against the
+        mailbox header: a rank other than dcp_setup's, or the previous exchange's step parity
+        (its slot may still be merged), pushes nothing (``ok`` false; see finish_push)."""
+        header = mExchange.toint()
+        push = header != 0
+        rank = ptx.load_global_i32_if(push, mRank.toint())
+        step = ptx.load_global_i32_if(push, mStep.toint())
+        own_rank = ptx.load_global_i32_if(push, header + HEADER_RANK)
+        has_last = ptx.load_global_i32_if(push, header + HEADER_HAS_LAST)
+        last_step = ptx.load_global_i32_if(push, header + HEADER_LAST_STEP)
+        alternated = (has_last == 0) | (((last_step ^ step) & 1) != 0)
+        slot = step & 1
+        _, batch, _ = cute.arch.grid_dim()
+        return Destination(
+            push=push,
+            plain=header == 0,
+            ok=(rank == own_rank) & alternated,
+            error=ptx.where_i32(rank != own_rank, WRONG_RANK, REPEATED_PARITY),
+            header=header,
+            rank=rank,
+            step=step,
+            flag=(step & 0x7FFFFFFF) + 1,  # never 0, the cleared value
+            dcp=dcp,
+            heads_own=heads_own,
+            b=b,
+            row_index=(slot * dcp + rank) * Int32(batch) + b,
+            latent=ptx.where_i64(push, Int64(latent_offset), mLatent.toint()),
+            lse=ptx.where_i64(push, Int64(lse_offset), mLse.toint()),
+        )
+
+    def row_target(self, dest: Destination, head):
+        """(latent row address, LSE address, keep) of ``head`` (of the Hp) of the CTA's row:
+        keep is false for a padded head past the D ranks' heads or a refused exchange."""
+        owner = head // dest.heads_own
+        index = Int64(dest.row_index) * dest.heads_own + (head - owner * dest.heads_own)
+        region = ptx.load_global_u64_if(dest.push, dest.header + Int64(owner) * 8)  # 0 without
+        latent = region + dest.latent + index * (LATENT * 2)
+        lse = region + dest.lse + index * 4
+        keep = dest.plain | (dest.ok & (owner < dest.dcp))
+        return latent, lse, keep
+
+    @cute.jit
+    def finish_push(self, dest: Destination, x, tile, tile_heads: int, tid):
+        """With an exchange, after every result store of the CTA: one system-scope release of
+        this CTA's flag (value step + 1, index [slot, rank, b, x]) in the mailbox of each
+        owner of the tile's heads; the owners' merge acquires them. A refused call releases
+        nothing (the owners time out) and records why."""
+        if dest.push:
+            cute.arch.sync_threads()  # every thread's stores (bulk copies waited for)
+            if tid == 0:
+                if dest.ok:
+                    width, _, _ = cute.arch.grid_dim()
+                    flag_at = (Int64(dest.row_index) * Int32(width) + x) * 4
+                    first = tile * tile_heads
+                    end = min(first + tile_heads, dest.dcp * dest.heads_own)
+                    last_owner = (end - 1) // dest.heads_own
+                    for owner in cutlass.range(first // dest.heads_own, last_owner + 1, unroll=1):
+                        region = ptx.load_global_u64_if(dest.push, dest.header + Int64(owner) * 8)
+                        ptx.release_flag_sys(region + flag_at, dest.flag)
+                else:
+                    if (x == 0) & (dest.b == 0):
+                        ptx.record_refusal(dest.header, dest.error, dest.step, dest.rank)
 
     @cute.jit
     def merge_sources(self, sOutbox, sInbox, sStats, tile_heads: int, head, part, columns):

@@ -72,6 +72,12 @@ def where_i32(cond, if_true, if_false, *, loc=None, ip=None) -> Int32:
     return _select(Int32, cond, if_true, if_false, loc, ip)
 
 
+@dsl_user_op
+def where_i64(cond, if_true, if_false, *, loc=None, ip=None) -> Int64:
+    """Int64 select (no branch)."""
+    return _select(Int64, cond, if_true, if_false, loc, ip)
+
+
 # ---- global memory -----------------------------------------------------------------------
 
 
@@ -80,6 +86,22 @@ def load_global_i32(addr, *, loc=None, ip=None) -> Int32:
     """ld.global.s32."""
     code = "ld.global.s32 $0, [$1];"
     return Int32(_asm(T.i32(), [_i64(addr, loc, ip)], code, "=r,l", True, loc, ip))
+
+
+@dsl_user_op
+def load_global_i32_if(cond, addr, *, loc=None, ip=None) -> Int32:
+    """ld.global.s32 where ``cond`` (``addr`` may be null otherwise, giving 0)."""
+    code = "{ .reg .pred p; setp.ne.b32 p, $1, 0; mov.b32 $0, 0; @p ld.global.s32 $0, [$2]; }"
+    operands = [_i32(Int32(cond), loc, ip), _i64(addr, loc, ip)]
+    return Int32(_asm(T.i32(), operands, code, "=r,r,l", True, loc, ip))
+
+
+@dsl_user_op
+def load_global_u64_if(cond, addr, *, loc=None, ip=None) -> Int64:
+    """ld.global.u64 where ``cond`` (``addr`` may be null otherwise, giving 0)."""
+    code = "{ .reg .pred p; setp.ne.b32 p, $1, 0; mov.b64 $0, 0; @p ld.global.u64 $0, [$2]; }"
+    operands = [_i32(Int32(cond), loc, ip), _i64(addr, loc, ip)]
+    return Int64(_asm(T.i64(), operands, code, "=l,r,l", True, loc, ip))
 
 
 @dsl_user_op
@@ -349,6 +371,46 @@ def bulk_commit(*, loc=None, ip=None) -> None:
 def bulk_wait_read(*, loc=None, ip=None) -> None:
     """cp.async.bulk.wait_group.read 0: this thread's bulk copies have read their sources."""
     _asm(None, [], "cp.async.bulk.wait_group.read 0;", "~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def bulk_wait(*, loc=None, ip=None) -> None:
+    """cp.async.bulk.wait_group 0, then a proxy fence: this thread's bulk copies to global
+    memory are complete and ordered before its later generic accesses (a flag's release)."""
+    code = "cp.async.bulk.wait_group 0; fence.proxy.async.global;"
+    _asm(None, [], code, "~{memory}", True, loc, ip)
+
+
+# ---- the push exchange (system scope: the owners are other GPUs) ---------------------------
+
+
+@dsl_user_op
+def release_flag_sys(addr, value, *, loc=None, ip=None) -> None:
+    """st.release.sys of a mailbox flag: it orders every store this thread has seen (the
+    CTA's, after a barrier; release is cumulative) before the flag, for any reader on any GPU
+    that acquires it."""
+    code = "st.release.sys.global.u32 [$0], $1;"
+    operands = [_i64(addr, loc, ip), _i32(value, loc, ip)]
+    _asm(None, operands, code, "l,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
+def record_refusal(header, code_value, step, rank, *, loc=None, ip=None) -> None:
+    """The exchange's error record (code, step, row 0, source = rank) in host-mapped memory,
+    written once per failure: the first thread to claim the header's error word writes it
+    (layout: ffi/dcp_exchange.cc)."""
+    code = (
+        "{ .reg .pred p; .reg .b32 old; .reg .b64 record; "
+        "atom.global.cas.b32 old, [$0+140], 0, 1; setp.eq.u32 p, old, 0; "
+        "ld.global.u64 record, [$0+152]; "
+        "@p st.relaxed.sys.global.u32 [record+4], $2; "
+        "@p st.relaxed.sys.global.u32 [record+8], 0; "
+        "@p st.relaxed.sys.global.u32 [record+12], $3; "
+        "@p fence.sc.sys; "
+        "@p st.relaxed.sys.global.u32 [record], $1; }"
+    )
+    operands = [_i64(header, loc, ip)] + [_i32(v, loc, ip) for v in (code_value, step, rank)]
+    _asm(None, operands, code, "l,r,r,r,~{memory}", True, loc, ip)
 
 
 @dsl_user_op

@@ -104,6 +104,13 @@ class SparseDecode(DecodeKernel):
         width: Int32,
         heads: Int32,
         row_bytes: Int32,
+        mExchange: cute.Pointer,
+        mRank: cute.Pointer,
+        mStep: cute.Pointer,
+        dcp: Int32,
+        heads_own: Int32,
+        latent_offset: Int32,
+        lse_offset: Int32,
     ):
         smem = cutlass.memory.SmemAllocator()
         base = smem.allocate(SMEM_BYTES, 1024).toint()
@@ -304,6 +311,9 @@ class SparseDecode(DecodeKernel):
             for w in cutlass.range_constexpr(1, QK_WARPS):
                 total = total + ptx.load_shared_f32(sRedSum + (w * HEADS + group + 8 * r) * 4)
             l_run.append(total)
+        dest = self.destination(
+            mLatent, mLse, mExchange, mRank, mStep, dcp, heads_own, latent_offset, lse_offset, b
+        )
         if cutlass.const_expr(self.clustered):
             # O / l as F16 blocks, one per column owner, in the (free) row buffers; each peer
             # gets its block by one bulk copy, and every CTA the (max, sum) stats.
@@ -320,9 +330,7 @@ class SparseDecode(DecodeKernel):
             ptx.mbarrier_wait_cluster(inbound, 0)  # every source's block of these columns
             # Every CTA has received everything: no outbox is read after this barrier.
             cute.arch.cluster_arrive_relaxed()
-            self.merge_blocks(
-                mScales, mLatent, mLse, sOutbox, sInbox, sStats, tile, part, b, heads, tid
-            )
+            self.merge_blocks(mScales, dest, sOutbox, sInbox, sStats, tile, part, tid)
             cute.arch.cluster_wait()  # no CTA exits while a copy still reads its outbox
         else:
             # split 1: the FP32 partial and stats through this CTA's own shared memory.
@@ -337,7 +345,8 @@ class SparseDecode(DecodeKernel):
                     ptx.store_shared_f32(sStats + head * 4, m_run[r])
                     ptx.store_shared_f32(sStats + (HEADS + head) * 4, l_run[r])
             cute.arch.sync_threads()  # the CTA's own partial and stats are in place
-            self.merge(mScales, mLatent, mLse, sInbox, sStats, tile, part, b, heads, tid)
+            self.merge(mScales, dest, sInbox, sStats, tile, part, tid)
+        self.finish_push(dest, x, tile, HEADS, tid)
 
     @cute.jit
     def load_row(self, rows_base, limit, c, lane, slot):
@@ -416,15 +425,12 @@ class SparseDecode(DecodeKernel):
     def merge_blocks(
         self,
         mScales: cute.Pointer,
-        mLatent,
-        mLse,
+        dest,
         sOutbox,
         sInbox,
         sStats,
         tile,
         part,
-        b,
-        heads,
         tid,
     ):
         """Columns part * cols .. + cols of the 16 heads over the cluster's F16 blocks, weighted
@@ -438,29 +444,27 @@ class SparseDecode(DecodeKernel):
                 sOutbox, sInbox, sStats, HEADS, head, part, [8 * piece]
             )
             nonempty, inverse = self.normaliser(out_scale, total)
-            gh = Int64(b) * heads + tile * HEADS + head
+            latent, lse_at, keep = self.row_target(dest, tile * HEADS + head)
             col = part * self.cols + 8 * piece
             words = [
                 ptx.bf16x2(merged[2 * e] * inverse, merged[2 * e + 1] * inverse) for e in range(4)
             ]
-            ptx.store_global_v4(mLatent.toint() + (gh * LATENT + col) * 2, words)
-            if (part == 0) & (piece == 0):
-                # P was scaled by 448 = 2^LOG2_P_SCALE: so were the sums.
-                lse2 = self.log2_lse(nonempty, top - Float32(LOG2_P_SCALE), total)
-                self.store_lse(mLse, gh, lse2)
+            if keep:
+                ptx.store_global_v4(latent + col * 2, words)
+                if (part == 0) & (piece == 0):
+                    # P was scaled by 448 = 2^LOG2_P_SCALE: so were the sums.
+                    lse2 = self.log2_lse(nonempty, top - Float32(LOG2_P_SCALE), total)
+                    self.store_lse(lse_at, lse2)
 
     @cute.jit
     def merge(
         self,
         mScales: cute.Pointer,
-        mLatent: cute.Pointer,
-        mLse: cute.Pointer,
+        dest,
         sInbox,
         sStats,
         tile,
         part,
-        b,
-        heads,
         tid,
     ):
         """Columns part * cols .. + cols of the 16 heads over the cluster's FP32 partials:
@@ -494,14 +498,15 @@ class SparseDecode(DecodeKernel):
             nonempty, top - Float32(LOG2_P_SCALE) + cute.math.log2(total, fastmath=False), neg_inf
         )
         inverse = ptx.where(nonempty, out_scale / total, 0.0)
-        gh = Int64(b) * heads + tile * HEADS + head
+        latent, lse_at, keep = self.row_target(dest, tile * HEADS + head)
         col = part * self.cols + self.per_lane * lane
-        for v in cutlass.range_constexpr(0, self.per_lane, self.piece):
-            w0 = ptx.bf16x2(merged[v] * inverse, merged[v + 1] * inverse)
-            if cutlass.const_expr(self.piece == 4):
-                w1 = ptx.bf16x2(merged[v + 2] * inverse, merged[v + 3] * inverse)
-                ptx.store_global_v2(mLatent.toint() + (gh * LATENT + col + v) * 2, w0, w1)
-            else:
-                ptx.store_global_b32(mLatent.toint() + (gh * LATENT + col + v) * 2, w0)
-        if (part == 0) & (lane == 0):
-            self.store_lse(mLse, gh, lse2)
+        if keep:
+            for v in cutlass.range_constexpr(0, self.per_lane, self.piece):
+                w0 = ptx.bf16x2(merged[v] * inverse, merged[v + 1] * inverse)
+                if cutlass.const_expr(self.piece == 4):
+                    w1 = ptx.bf16x2(merged[v + 2] * inverse, merged[v + 3] * inverse)
+                    ptx.store_global_v2(latent + (col + v) * 2, w0, w1)
+                else:
+                    ptx.store_global_b32(latent + (col + v) * 2, w0)
+            if (part == 0) & (lane == 0):
+                self.store_lse(lse_at, lse2)

@@ -129,6 +129,13 @@ class WgmmaDecode(DecodeKernel):
         width: Int32,
         heads: Int32,
         row_bytes: Int32,
+        mExchange: cute.Pointer,
+        mRank: cute.Pointer,
+        mStep: cute.Pointer,
+        dcp: Int32,
+        heads_own: Int32,
+        latent_offset: Int32,
+        lse_offset: Int32,
     ):
         smem = cutlass.memory.SmemAllocator()
         base = smem.allocate(WG_SMEM_BYTES, 1024).toint()
@@ -256,6 +263,9 @@ class WgmmaDecode(DecodeKernel):
         totals = [
             ptx.load_shared_f32(sTotals + (16 * warp + lane // 4 + 8 * r) * 4) for r in range(2)
         ]
+        dest = self.destination(
+            mLatent, mLse, mExchange, mRank, mStep, dcp, heads_own, latent_offset, lse_offset, b
+        )
         if cutlass.const_expr(self.clustered):
             sOutbox, sInbox = base + WG_OUTBOX_OFFSET, base + WG_INBOX_OFFSET
             sStats = base + WG_STATS_OFFSET
@@ -272,11 +282,12 @@ class WgmmaDecode(DecodeKernel):
             ptx.mbarrier_wait_cluster(inbound, 0)  # every source's block of these columns
             # Every CTA has received everything: no outbox is read after this barrier.
             cute.arch.cluster_arrive_relaxed()
-            self.merge(mScales, mLatent, mLse, sOutbox, sInbox, sStats, tile, part, b, heads, tid)
+            self.merge(mScales, dest, sOutbox, sInbox, sStats, tile, part, heads, tid)
             cute.arch.cluster_wait()  # no CTA exits while a copy still reads its outbox
         else:
             sOut = base + WG_K_OFFSET
-            self.epilogue(mScales, mLatent, mLse, sOut, acc, m_run, totals, tile, b, heads, tid)
+            self.epilogue(mScales, dest, sOut, acc, m_run, totals, tile, heads, tid)
+        self.finish_push(dest, x, tile, WG_HEADS, tid)
 
     @cute.jit
     def accumulate(self, acc, sP, sKc, group: cutlass.Constexpr[int]):
@@ -421,9 +432,7 @@ class WgmmaDecode(DecodeKernel):
             ptx.store_shared_v4(dst, *halves[4 * e : 4 * e + 4])
 
     @cute.jit
-    def epilogue(
-        self, mScales: cute.Pointer, mLatent, mLse, sOut, acc, m_run, totals, tile, b, heads, tid
-    ):
+    def epilogue(self, mScales: cute.Pointer, dest, sOut, acc, m_run, totals, tile, heads, tid):
         """O / l as BF16 (times out_scale) and the natural-log LSE; -inf and zeros for a row
         without live keys. The rows go through shared memory (sOut, the free K tiles) and
         out by one bulk copy each: the fragments' 4-byte global stores wrote half sectors
@@ -436,21 +445,25 @@ class WgmmaDecode(DecodeKernel):
             head_in_tile = 16 * warp + lane // 4 + 8 * r
             nonempty, inverse = self.normaliser(out_scale, totals[r])
             head = tile * WG_HEADS + head_in_tile
-            gh = Int64(b) * heads + head
             row_out = sOut + head_in_tile * WG_OUT_PITCH + (group * WG_COLS + 2 * quad) * 2
             for v in cutlass.range_constexpr(r * 2, O_VALUES, 4):
                 word = ptx.bf16x2(acc[v] * inverse, acc[v + 1] * inverse)
                 ptx.store_shared_u32(row_out + 8 * (v // 4) * 2, word)
             if (group == 0) & (quad == 0) & (head < heads):
-                self.store_lse(mLse, gh, self.log2_lse(nonempty, m_run[r], totals[r]))
+                _, lse_at, keep = self.row_target(dest, head)
+                if keep:
+                    self.store_lse(lse_at, self.log2_lse(nonempty, m_run[r], totals[r]))
         ptx.fence_proxy_async_shared()  # the rows are read by bulk copies
         cute.arch.sync_threads()
         head = tile * WG_HEADS + tid
         if (tid < WG_HEADS) & (head < heads):
-            dst = mLatent.toint() + (Int64(b) * heads + head) * (LATENT * 2)
-            ptx.copy_s2g(dst, sOut + tid * WG_OUT_PITCH, LATENT * 2)
-            ptx.bulk_commit()
-            ptx.bulk_wait_read()  # the CTA's shared memory outlives the copy's reads
+            latent, _, keep = self.row_target(dest, head)
+            if keep:
+                ptx.copy_s2g(latent, sOut + tid * WG_OUT_PITCH, LATENT * 2)
+                ptx.bulk_commit()
+                ptx.bulk_wait_read()  # the CTA's shared memory outlives the copy's reads
+                if dest.push:
+                    ptx.bulk_wait()  # the rows have landed before the flag's release
 
     @cute.jit
     def fill_outbox(self, sOutbox, acc, totals, tid):
@@ -487,14 +500,12 @@ class WgmmaDecode(DecodeKernel):
     def merge(
         self,
         mScales: cute.Pointer,
-        mLatent,
-        mLse,
+        dest,
         sOutbox,
         sInbox,
         sStats,
         tile,
         part,
-        b,
         heads,
         tid,
     ):
@@ -511,14 +522,17 @@ class WgmmaDecode(DecodeKernel):
         )
         nonempty, inverse = self.normaliser(out_scale, total)
         head = tile * WG_HEADS + head_in_tile
-        gh = Int64(b) * heads + head
         if head < heads:
-            for k in cutlass.range_constexpr(pieces):
-                col = part * self.cols + 8 * (quarter + 4 * k)
-                words = [
-                    ptx.bf16x2(merged[8 * k + 2 * e] * inverse, merged[8 * k + 2 * e + 1] * inverse)
-                    for e in range(4)
-                ]
-                ptx.store_global_v4(mLatent.toint() + (gh * LATENT + col) * 2, words)
-            if (part == 0) & (quarter == 0):
-                self.store_lse(mLse, gh, self.log2_lse(nonempty, top, total))
+            latent, lse_at, keep = self.row_target(dest, head)
+            if keep:
+                for k in cutlass.range_constexpr(pieces):
+                    col = part * self.cols + 8 * (quarter + 4 * k)
+                    words = [
+                        ptx.bf16x2(
+                            merged[8 * k + 2 * e] * inverse, merged[8 * k + 2 * e + 1] * inverse
+                        )
+                        for e in range(4)
+                    ]
+                    ptx.store_global_v4(latent + col * 2, words)
+                if (part == 0) & (quarter == 0):
+                    self.store_lse(lse_at, self.log2_lse(nonempty, top, total))

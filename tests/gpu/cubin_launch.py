@@ -80,7 +80,8 @@ class CubinKernel:
         self, stream, pointers: list[int], sizes: tuple[int, ...], batch: int, pdl: bool = True
     ) -> None:
         """Launch with the ABI's seven device pointers and four sizes (n_rows, width, heads,
-        row_bytes) over the grid of ``batch`` rows, as the FFI handler computes it; with the
+        row_bytes) and no exchange (null exchange, rank and step; D = 1, H_own = heads, zero
+        offsets) over the grid of ``batch`` rows, as the FFI handler computes it; with the
         PDL attribute unless ``pdl`` is False."""
         meta = self.meta
         heads = sizes[2]
@@ -94,13 +95,17 @@ class CubinKernel:
         cluster.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
         dims = cluster.value.clusterDim
         dims.x, dims.y, dims.z = meta["cluster"]
-        pdl = cu.CUlaunchAttribute()
-        pdl.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
-        pdl.value.programmaticStreamSerializationAllowed = 1
-        config.attrs = [cluster, pdl] if pdl else [cluster]
+        programmatic = cu.CUlaunchAttribute()
+        programmatic.id = (
+            cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        )
+        programmatic.value.programmaticStreamSerializationAllowed = 1
+        config.attrs = [cluster, programmatic] if pdl else [cluster]
         config.numAttrs = len(config.attrs)
-        values = (*pointers, *sizes)
+        no_exchange = ((0, 0, 0), (1, heads, 0, 0))
+        values = (*pointers, *sizes, *no_exchange[0], *no_exchange[1])
         types = (ctypes.c_void_p,) * len(pointers) + (ctypes.c_int,) * len(sizes)
+        types += (ctypes.c_void_p,) * 3 + (ctypes.c_int,) * 4
         check(cu.cuLaunchKernelEx(config, self.function, (values, types), 0))
 
 

@@ -1,13 +1,14 @@
-"""Push-exchange launches on two GPUs for compute-sanitizer (the push and merge kernels).
+"""Push-exchange launches on two GPUs for compute-sanitizer (the pushing decode kernels and
+the merge kernel).
 
-    compute-sanitizer --tool memcheck --report-api-errors no --kernel-name kns=dcp_ \
+    compute-sanitizer --tool memcheck --report-api-errors no --kernel-name-exclude kns=nccl \
         python3 tests/gpu/sanitize_dcp_push.py
 
-Runs a few alternating steps of dcp_decode(exchange="push") at several shapes (B = 1 and
-5; 1, 20 and 48 heads per rank, so row strides and the per-thread loops are exercised),
-checks the results against the collectives exchange of the same partials, raises on any
-recorded exchange failure, and finally takes the timeout path (the ranks disagree on the
-step: NaN rows, an error record).
+Runs alternating steps of dcp_decode(exchange="push") at a few shapes (B = 1 and 5; 1, 20
+and 48 heads per rank, so row strides, owners inside a tile and the per-thread loops are
+exercised) and, at one shape, with every kernel config forced; checks the results against
+the collectives exchange of the same config, raises on any recorded exchange failure, and
+finally takes the timeout path (the ranks disagree on the step: NaN rows, an error record).
 """
 
 import jax
@@ -18,6 +19,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import jax_sparse_mla
+from jax_sparse_mla.kernel.config import ALL_CONFIGS
 
 AXIS = "dcp"
 
@@ -37,14 +39,18 @@ def main() -> None:
     assert jax_sparse_mla.dcp_setup(mesh, AXIS, capacity_bytes=4 << 20)
     rng = np.random.default_rng(0)
     step = 0
-    for batch, heads_own, keys in ((1, 1, 7), (5, 20, 64), (5, 48, 256)):
+    cases = [(1, 1, 7, None), (5, 48, 256, None)]
+    cases += [(3, 20, 150, config) for config in ALL_CONFIGS]
+    for batch, heads_own, keys, config in cases:
         q = jnp.asarray(rng.standard_normal((batch, 2 * heads_own, 576)), jnp.float8_e4m3fn)
         kv = jnp.asarray(rng.standard_normal((2 * 512, 576)), jnp.float8_e4m3fn)
         rows = jnp.asarray(rng.integers(0, 512, (batch, keys)), jnp.int32)
         valid = jnp.asarray(rng.integers(-1, keys + 2, (batch,)), jnp.int32)
 
-        def body(q, kv, rows, valid, step):
-            common = dict(axis_name=AXIS, softmax_scale=0.1, implementation="cute")
+        def body(q, kv, rows, valid, step, config=config):
+            common = dict(
+                axis_name=AXIS, softmax_scale=0.1, implementation="cute", kernel_config=config
+            )
             pushed = jax_sparse_mla.dcp_decode(
                 q, kv, rows, valid, exchange="push", step=step, **common
             )
@@ -59,7 +65,7 @@ def main() -> None:
                 out_specs=spec + spec,
             )
         )
-        for _ in range(3):
+        for _ in range(2):
             latent, lse, want_latent, want_lse = fn(q, kv, rows, valid, jnp.int32(step))
             step += 1
             np.testing.assert_allclose(

@@ -1,8 +1,9 @@
 """dcp_decode(exchange="push") on two GPUs: vs the collectives, float64 truth, faults.
 
 Needs two Hopper GPUs (the device tool's nvidia-h200-x2); skipped with fewer. Every program
-computes both exchanges from the same kernel partials in one step, so the push merge is
-checked against the collectives' merge. They differ only by the GPU's exp2 / lg2
+computes both exchanges in one step from the same kernel config (the push decode writes its
+partials into the owners' mailboxes, the plain one into buffers: the same bits), so the push
+merge is checked against the collectives' merge. They differ only by the GPU's exp2 / lg2
 approximations (relative error about 2^-22 per weight) against XLA's exp / log, so a merged
 element may differ by one bf16 rounding (2^-7 of its value) plus 2^-19 of the largest |V|
 (the partials are convex combinations of V rows; this covers cancellation between partials),
@@ -42,6 +43,7 @@ from test_dcp import (
 import jax_sparse_mla
 from jax_sparse_mla import push_exchange
 from jax_sparse_mla.dcp import dcp_decode, local_rows
+from jax_sparse_mla.kernel.config import ALL_CONFIGS
 
 pytestmark = pytest.mark.gpu
 DCP = 2
@@ -56,13 +58,18 @@ def fresh_exchange(mesh):
     _reset(mesh)
 
 
-def both_exchanges(mesh, *, paged=False, block_size=None):
+def both_exchanges(mesh, *, paged=False, block_size=None, kernel_config=None):
     """One jitted step: (push latent, push lse, collectives latent, collectives lse)."""
 
     def body(q, kv, tokens, table, step):
         extra = dict(block_table=table, block_size=block_size) if paged else {}
         rows, valid = local_rows(tokens, rank=lax.axis_index(AXIS), dcp_size=DCP, **extra)
-        common = dict(axis_name=AXIS, softmax_scale=SOFTMAX_SCALE, implementation="cute")
+        common = dict(
+            axis_name=AXIS,
+            softmax_scale=SOFTMAX_SCALE,
+            implementation="cute",
+            kernel_config=kernel_config,
+        )
         pushed = dcp_decode(q, kv, rows, valid, exchange="push", step=step, **common)
         collected = dcp_decode(q, kv, rows, valid, exchange="collectives", **common)
         return (*pushed, *collected)
@@ -114,7 +121,7 @@ def test_push_matches_collectives_and_truth(mesh):
     step_fn = both_exchanges(mesh)
     args = (q, shard_flat_cache(kv_global, DCP), jnp.asarray(tokens), table)
     hlo = step_fn.lower(*args, jnp.int32(0)).as_text()
-    assert "jax_sparse_mla_dcp_push" in hlo and "jax_sparse_mla_dcp_merge" in hlo
+    assert "jax_sparse_mla_decode_push" in hlo and "jax_sparse_mla_dcp_merge" in hlo
     assert "jax_sparse_mla_decode" in hlo
     push_latent, push_lse, latent, lse = step_fn(*args, jnp.int32(0))
     jax_sparse_mla.dcp_check()
@@ -125,6 +132,29 @@ def test_push_matches_collectives_and_truth(mesh):
     again = step_fn(*args, jnp.int32(1))
     for a, b in zip((push_latent, push_lse), again[:2], strict=True):  # bit-identical repeats
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("config", ALL_CONFIGS, ids=lambda c: c.slug)
+def test_push_from_every_kernel_config(mesh, config):
+    """Each kernel config pushes its own way (cluster merges, wgmma's bulk row copies): 40
+    heads per rank, so a 16- or 64-head tile holds heads of both owners; make_tokens' rows:
+    ~300 keys per rank (several chunks, a partial last one), keys on rank 0 only, none, one,
+    a sparse row."""
+    rng = np.random.default_rng(11)
+    batch, heads, width, n_global = 5, 80, 600, DCP * 2048
+    q = fp8(rng, (batch, heads, 576))
+    kv_global = fp8(rng, (n_global, 576))
+    tokens = make_tokens(rng, batch, width, DCP, n_global)
+    table = jnp.zeros((1, 1), jnp.int32)
+    step_fn = both_exchanges(mesh, kernel_config=config)
+    args = (q, shard_flat_cache(kv_global, DCP), jnp.asarray(tokens), table)
+    for step in (0, 1):
+        push_latent, push_lse, latent, lse = step_fn(*args, jnp.int32(step))
+        jax_sparse_mla.dcp_check()
+        assert mismatches(push_latent, push_lse, latent, lse, v_max(kv_global)) == (0, 0)
+    keys = np.asarray(kv_global.astype(jnp.float32), np.float64)
+    t = truth(q, lambda b: keys[tokens[b][tokens[b] >= 0]], SOFTMAX_SCALE, 1, 1)
+    check_against_truth(push_latent, push_lse, t)
 
 
 @pytest.mark.parametrize("shared_table", [False, True])
@@ -210,7 +240,7 @@ def test_compiled_program_survives_a_new_setup(mesh):
 def test_scan_stacking_the_rows(mesh):
     """A scan that stacks each step's rows (as a decode loop collecting outputs does): XLA must
     not fold the stacking into a second copy of the exchange (it did before the barriers in
-    push_exchange.exchange: the duplicated merge timed out)."""
+    push_exchange.decode_and_exchange: the duplicated merge timed out)."""
     q, kv_global, tokens = latency_inputs(seed=6)
     kv = shard_flat_cache(kv_global, DCP)
     table = jnp.zeros((1, 1), jnp.int32)
@@ -291,7 +321,8 @@ def test_missing_push_times_out_with_nan_and_error(mesh):
 
 def test_repeated_parity_is_refused(mesh):
     """The same step twice in a row would overwrite a slot the owner may still read: the push
-    kernel refuses, the owners time out with NaN rows, and dcp_check names the parity."""
+    decode refuses to push, the owners time out with NaN rows, and dcp_check names the
+    parity."""
     assert jax_sparse_mla.dcp_setup(mesh, AXIS, timeout_s=0.2)
     q, kv_global, tokens = latency_inputs()
     table = jnp.zeros((1, 1), jnp.int32)
