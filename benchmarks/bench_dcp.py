@@ -127,8 +127,8 @@ def category(name: str) -> str:
         return "nccl " + ("all-gather" if "allgather" in lower else "all-to-all / send-recv")
     if "jax_sparse_mla" in lower:  # both variants' entries (SparseDecode, WgmmaDecode)
         return "decode kernel (with push: stores into the owners' mailboxes)"
-    if lower == "dcp_merge":
-        return "push exchange: dcp_merge (incl. wait)"
+    if lower in ("dcp_gather_q", "dcp_merge"):
+        return f"push exchange: {lower} (incl. wait)"
     return "XLA fusions and copies"
 
 

@@ -50,6 +50,7 @@ constexpr size_t kRegionAlign = 256;
 constexpr unsigned int kChunkHeads = 8;  // heads per merge CTA
 constexpr unsigned int kThreads = 256;
 constexpr int64_t kLatent = 512;
+constexpr int64_t kQueryRow = 576;  // bytes of an FP8 query head
 constexpr int64_t kMaxGridY = 65535;
 constexpr int64_t kHeadGrain = 16;  // the decode pads its heads to a multiple of 16
 
@@ -57,10 +58,13 @@ constexpr int64_t kHeadGrain = 16;  // the decode pads its heads to a multiple o
 constexpr uint32_t kTimeout = 1;
 constexpr uint32_t kParity = 2;
 constexpr uint32_t kRank = 3;
+constexpr uint32_t kQueryTimeout = 4;
 
 struct Layout {
   uint64_t latent_offset;
   uint64_t lse_offset;
+  uint64_t query_flags_offset;
+  uint64_t query_offset;
   uint64_t bytes;
 };
 
@@ -70,12 +74,22 @@ uint64_t AlignUp(uint64_t value, uint64_t alignment) {
 
 uint64_t Chunks(uint64_t heads) { return (heads + kChunkHeads - 1) / kChunkHeads; }
 
-// flags u32[2][D][B][F] at 0, latents bf16[2][D][B][H][512], LSEs f32[2][D][B][H].
+// CTAs per row of the query gather: one 16-byte unit of a rank's heads per thread.
+uint64_t QueryChunks(uint64_t heads) {
+  return (heads * kQueryRow / 16 + kThreads - 1) / kThreads;
+}
+
+// The partials: flags u32[2][D][B][F] at 0, latents bf16[2][D][B][H][512], LSEs
+// f32[2][D][B][H]; the queries: flags u32[2][D][B][C] (C = QueryChunks), rows
+// fp8[2][D][B][H][576].
 Layout MakeLayout(uint64_t dcp, uint64_t batch, uint64_t heads, uint64_t flags_per_row) {
   Layout layout{};
   layout.latent_offset = AlignUp(4 * 2 * dcp * batch * flags_per_row, kRegionAlign);
   layout.lse_offset = layout.latent_offset + 2 * dcp * batch * heads * kLatent * 2;
-  layout.bytes = layout.lse_offset + 2 * dcp * batch * heads * 4;
+  layout.query_flags_offset = AlignUp(layout.lse_offset + 2 * dcp * batch * heads * 4, kRegionAlign);
+  layout.query_offset = AlignUp(
+      layout.query_flags_offset + 4 * 2 * dcp * batch * QueryChunks(heads), kRegionAlign);
+  layout.bytes = layout.query_offset + 2 * dcp * batch * heads * kQueryRow;
   return layout;
 }
 
@@ -93,6 +107,7 @@ struct Mailbox {
   volatile uint32_t* host_error = nullptr;  // u32[4]: code, step, row, source; permanent
   CUdeviceptr device_error = 0;
   CUmodule module = nullptr;
+  CUfunction gather_queries = nullptr;
   CUfunction merge = nullptr;
   bool ready = false;  // the last setup of this device succeeded
 };
@@ -156,6 +171,8 @@ std::string Prepare(const cu::Driver& d, Mailbox& mailbox, uint64_t capacity) {
                        d.MemHostGetDevicePointer(&mailbox.device_error, host, 0));
       RETURN_IF_FAILED("cuModuleLoadData (dcp_exchange.ptx)",
                        d.ModuleLoadData(&mailbox.module, kDcpExchangePtx));
+      RETURN_IF_FAILED("cuModuleGetFunction(dcp_gather_q)",
+                       d.ModuleGetFunction(&mailbox.gather_queries, mailbox.module, "dcp_gather_q"));
       RETURN_IF_FAILED("cuModuleGetFunction(dcp_merge)",
                        d.ModuleGetFunction(&mailbox.merge, mailbox.module, "dcp_merge"));
     }
@@ -266,10 +283,11 @@ ffi::ErrorOr<Mailbox*> MailboxFor(cudaStream_t stream, int64_t dcp_size) {
         "jax_sparse_mla.dcp_setup(mesh, axis_name) once before the first call"));
   }
   if (uint32_t code = mailbox->host_error[0]; code != 0) {
-    const char* what = code == kTimeout  ? "timed out waiting for a rank's partials"
-                       : code == kParity ? "step had the previous exchange's parity"
-                       : code == kRank   ? "axis rank disagreed with dcp_setup's device order"
-                                         : "failed";
+    const char* what = code == kTimeout        ? "timed out waiting for a rank's partials"
+                       : code == kParity       ? "step had the previous exchange's parity"
+                       : code == kRank         ? "axis rank disagreed with dcp_setup's device order"
+                       : code == kQueryTimeout ? "timed out waiting for a rank's query heads"
+                                               : "failed";
     return Unexpected(Failed(
         "an earlier push exchange on device " + std::to_string(mailbox->ordinal) + " " + what +
         " (step " + std::to_string(static_cast<int32_t>(mailbox->host_error[1])) + ", row " +
@@ -308,6 +326,60 @@ using LseBuffer = ffi::Buffer<ffi::F32, 2>;
 using ScalarBuffer = ffi::Buffer<ffi::S32, 0>;
 using TokenBuffer = ffi::Buffer<ffi::S32, 1>;
 
+// An exchange kernel of kThreads threads per CTA over grid (x, y).
+ffi::Error Launch(CUfunction function, cudaStream_t stream, unsigned int grid_x,
+                  unsigned int grid_y, void** params) {
+  const cu::Driver& d = cu::GetDriver().driver;
+  CUlaunchConfig config{};
+  config.gridDimX = grid_x;
+  config.gridDimY = grid_y;
+  config.gridDimZ = 1;
+  config.blockDimX = kThreads;
+  config.blockDimY = 1;
+  config.blockDimZ = 1;
+  config.hStream = stream;
+  return cu::Check(d, "cuLaunchKernelEx", d.LaunchKernelEx(&config, function, params, nullptr));
+}
+
+ffi::Error GatherQueries(cudaStream_t stream, ffi::AnyBuffer queries, ScalarBuffer rank,
+                         ScalarBuffer step, ffi::Result<ffi::AnyBuffer> gathered,
+                         int64_t dcp_size, int64_t head_tile, int64_t split) {
+  ffi::ErrorOr<Mailbox*> found = MailboxFor(stream, dcp_size);
+  if (found.has_error()) return found.error();
+  Mailbox& mailbox = *found.value();
+  const auto dims = queries.dimensions();
+  const auto out = gathered->dimensions();
+  if (queries.element_type() != ffi::F8E4M3FN || gathered->element_type() != ffi::F8E4M3FN ||
+      dims.size() != 3 || out.size() != 3 || dims[2] != kQueryRow || out[2] != kQueryRow ||
+      out[0] != dims[0] ||
+      out[1] != (dcp_size * dims[1] + kHeadGrain - 1) / kHeadGrain * kHeadGrain ||
+      head_tile < 1 || split < 1 || split > 8) {
+    return ffi::Error::InvalidArgument(
+        "jax_sparse_mla: the query gather maps float8_e4m3fn [B, H, 576] to [B, D * H padded to "
+        "16, 576]");
+  }
+  const int64_t batch = dims[0];
+  const int64_t heads = dims[1];
+  ffi::ErrorOr<Layout> layout =
+      CheckedLayout(mailbox, batch, heads, dcp::FlagsPerRow(dcp_size, heads, head_tile, split));
+  if (layout.has_error()) return layout.error();
+
+  void* out_ptr = gathered->untyped_data();
+  void* queries_ptr = queries.untyped_data();
+  void* rank_ptr = rank.untyped_data();
+  void* step_ptr = step.untyped_data();
+  CUdeviceptr header = mailbox.header;
+  CUdeviceptr error = mailbox.device_error;
+  uint64_t flags_offset = layout.value().query_flags_offset;
+  uint64_t rows_offset = layout.value().query_offset;
+  uint32_t sizes[4] = {static_cast<uint32_t>(batch), static_cast<uint32_t>(heads),
+                       static_cast<uint32_t>(dcp_size), static_cast<uint32_t>(out[1])};
+  void* params[] = {&out_ptr,      &queries_ptr,  &rank_ptr, &step_ptr, &header,   &error,
+                    &flags_offset, &rows_offset,  &sizes[0], &sizes[1], &sizes[2], &sizes[3]};
+  return Launch(mailbox.gather_queries, stream, static_cast<unsigned int>(QueryChunks(heads)),
+                static_cast<unsigned int>(batch), params);
+}
+
 ffi::Error Merge(cudaStream_t stream, TokenBuffer /*token*/, ScalarBuffer step,
                  ffi::Result<LatentBuffer> latent, ffi::Result<LseBuffer> lse, int64_t dcp_size,
                  int64_t head_tile, int64_t split) {
@@ -340,16 +412,8 @@ ffi::Error Merge(cudaStream_t stream, TokenBuffer /*token*/, ScalarBuffer step,
   void* params[] = {&latent_ptr, &lse_ptr,   &step_ptr,  &header,   &error,    &latent_offset,
                     &lse_offset, &sizes[0],  &sizes[1],  &sizes[2], &sizes[3], &sizes[4],
                     &sizes[5],   &sizes[6]};
-  const cu::Driver& d = cu::GetDriver().driver;
-  CUlaunchConfig config{};
-  config.gridDimX = static_cast<unsigned int>(Chunks(heads));
-  config.gridDimY = static_cast<unsigned int>(batch);
-  config.gridDimZ = 1;
-  config.blockDimX = kThreads;
-  config.blockDimY = 1;
-  config.blockDimZ = 1;
-  config.hStream = stream;
-  return cu::Check(d, "cuLaunchKernelEx", d.LaunchKernelEx(&config, mailbox.merge, params, nullptr));
+  return Launch(mailbox.merge, stream, static_cast<unsigned int>(Chunks(heads)),
+                static_cast<unsigned int>(batch), params);
 }
 
 }  // namespace
@@ -396,7 +460,20 @@ JAX_SPARSE_MLA_EXPORT int JaxSparseMlaDcpStatus(int32_t ordinal, uint32_t* recor
   return -1;
 }
 
+JAX_SPARSE_MLA_EXPORT XLA_FFI_Error* JaxSparseMlaDcpGatherQueries(XLA_FFI_CallFrame* call_frame);
 JAX_SPARSE_MLA_EXPORT XLA_FFI_Error* JaxSparseMlaDcpMerge(XLA_FFI_CallFrame* call_frame);
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaDcpGatherQueries, GatherQueries,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()  // this rank's query heads
+                                  .Arg<ScalarBuffer>()    // rank
+                                  .Arg<ScalarBuffer>()    // step
+                                  .Ret<ffi::AnyBuffer>()  // every rank's heads, padded to 16
+                                  .Attr<int64_t>("dcp_size")
+                                  .Attr<int64_t>("head_tile")  // the decode's launch (the
+                                  .Attr<int64_t>("split"),     // mailbox layout's flags)
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaDcpMerge, Merge,
                               ffi::Ffi::Bind()

@@ -115,7 +115,12 @@ def export_disabled_checks() -> tuple[jax.export.DisabledSafetyCheck, ...]:
     the decode kernel's and the push exchange's (``dcp_decode(exchange="push")``)."""
     from jax_sparse_mla import push_exchange  # imported here: it imports this module
 
-    targets = (FFI_TARGET, PUSH_FFI_TARGET, push_exchange.MERGE_TARGET)
+    targets = (
+        FFI_TARGET,
+        PUSH_FFI_TARGET,
+        push_exchange.GATHER_TARGET,
+        push_exchange.MERGE_TARGET,
+    )
     return tuple(jax.export.DisabledSafetyCheck.custom_call(target) for target in targets)
 
 

@@ -17,8 +17,9 @@ Per call, inside ``jax.shard_map``, the collectives are:
    are cheaper than a second collective. Integer words, not bf16: no backend may touch
    the bits (an f32 half can look like a bf16 NaN).
 
-``exchange="push"`` replaces step 2 on CUDA GPUs with the one-sided exchange of
-``push_exchange`` (mailboxes set up once by ``dcp_setup``); elsewhere it runs as above.
+``exchange="push"`` replaces both collectives on CUDA GPUs with the one-sided exchange of
+``push_exchange`` (mailboxes set up once by ``dcp_setup``): a kernel pushes the query heads,
+the decode kernel pushes its partials, the owner's kernel merges; elsewhere it runs as above.
 
 The KV cache never moves.
 """
@@ -253,26 +254,32 @@ def dcp_decode(
     if dcp_size == 1:
         return decode(q, kv, rows, valid, **kwargs)
 
-    # Gathered as raw bytes: a backend may widen an FP8 collective (XLA:CPU gathers f16).
-    gathered = lax.all_gather(lax.bitcast_convert_type(q, jnp.uint8), axis_name, axis=1, tiled=True)
-    gathered = lax.bitcast_convert_type(gathered, q.dtype)
-
-    def collectives(gathered, kv, rows, valid, rank, step):
+    def collectives(q, kv, rows, valid, rank, step):
         del rank, step
+        # Gathered as raw bytes: a backend may widen an FP8 collective (XLA:CPU gathers f16).
+        gathered = lax.all_gather(
+            lax.bitcast_convert_type(q, jnp.uint8), axis_name, axis=1, tiled=True
+        )
+        gathered = lax.bitcast_convert_type(gathered, q.dtype)
         latent, lse = decode(gathered, kv, rows, valid, **kwargs)
         return _collectives_exchange(latent, lse, axis_name=axis_name, dcp_size=dcp_size)
 
     if exchange == "collectives" or implementation == "reference":
-        return collectives(gathered, kv, rows, valid, None, None)
+        return collectives(q, kv, rows, valid, None, None)
 
-    def push(gathered, kv, rows, valid, rank, step):
-        _, operands = kernel_operands(gathered, kv, rows, valid, **kwargs)
+    def push(q, kv, rows, valid, rank, step):
+        # kv, rows, valid and the scales as the kernel takes them (the padded q is unused: the
+        # gather pads the gathered heads).
+        _, (_, kv, rows, valid, scales) = kernel_operands(q, kv, rows, valid, **kwargs)
         merged = push_exchange.decode_and_exchange(
-            *operands,
+            q,
+            kv,
+            rows,
+            valid,
+            scales,
             rank=rank,
             step=step,
             dcp_size=dcp_size,
-            heads_own=q.shape[1],
             valid_hint=valid_hint,
             kernel_config=kernel_config,
         )
@@ -281,5 +288,5 @@ def dcp_decode(
 
     rank = lax.axis_index(axis_name).astype(jnp.int32)
     return lax.platform_dependent(
-        gathered, kv, rows, valid, rank, step_value, default=collectives, cuda=push
+        q, kv, rows, valid, rank, step_value, default=collectives, cuda=push
     )

@@ -41,7 +41,7 @@ from jax.interpreters import mlir
 from jax_sparse_mla import cuda_lowering
 from jax_sparse_mla.kernel.config import KernelConfig
 from jax_sparse_mla.kernel.dispatch import choose_config
-from jax_sparse_mla.validation import LATENT
+from jax_sparse_mla.validation import HEAD_TILE, LATENT
 
 __all__ = [
     "DEFAULT_CAPACITY_BYTES",
@@ -51,6 +51,7 @@ __all__ = [
     "decode_and_exchange",
 ]
 
+GATHER_TARGET = "jax_sparse_mla_dcp_gather_queries"
 MERGE_TARGET = "jax_sparse_mla_dcp_merge"
 DEFAULT_CAPACITY_BYTES = 64 << 20
 """Mailbox bytes per device: about ``2 * D * B * H_own * 1028`` are needed (two slots, D sources,
@@ -64,6 +65,7 @@ _ERRORS = {
     1: "timed out waiting for the partials of a rank",
     2: "was given a step with the previous exchange's parity (steps must alternate)",
     3: "ran with an axis rank that disagrees with dcp_setup's device order",
+    4: "timed out waiting for the query heads of a rank",
 }
 
 log = logging.getLogger("jax_sparse_mla")
@@ -90,8 +92,12 @@ def _load_library() -> ctypes.CDLL:
                 ctypes.c_int32,
                 ctypes.POINTER(ctypes.c_uint32),
             ]
-            handler = jax.ffi.pycapsule(library.JaxSparseMlaDcpMerge)
-            jax.ffi.register_ffi_target(MERGE_TARGET, handler, platform="CUDA")
+            targets = {
+                GATHER_TARGET: library.JaxSparseMlaDcpGatherQueries,
+                MERGE_TARGET: library.JaxSparseMlaDcpMerge,
+            }
+            for target, symbol in targets.items():
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="CUDA")
             _library = library
         return _library
 
@@ -193,11 +199,18 @@ def dcp_check() -> None:
 
 # ---- primitives ---------------------------------------------------------------------------
 
+gather_queries_p = core.Primitive("sparse_mla_dcp_gather_queries")
+gather_queries_p.def_impl(functools.partial(dispatch.apply_primitive, gather_queries_p))
 decode_push_p = core.Primitive("sparse_mla_decode_push")
 decode_push_p.def_impl(functools.partial(dispatch.apply_primitive, decode_push_p))
 dcp_merge_p = core.Primitive("sparse_mla_dcp_merge")
 dcp_merge_p.multiple_results = True
 dcp_merge_p.def_impl(functools.partial(dispatch.apply_primitive, dcp_merge_p))
+
+
+def _gather_abstract_eval(queries, rank, step, *, dcp_size, padded, config):
+    del rank, step, dcp_size, config
+    return ShapedArray((queries.shape[0], padded, queries.shape[2]), queries.dtype)
 
 
 def _decode_push_abstract_eval(q, kv, rows, valid, scales, rank, step, **params):
@@ -213,6 +226,7 @@ def _merge_abstract_eval(token, step, *, dcp_size, batch, heads_own, config):
     )
 
 
+gather_queries_p.def_abstract_eval(_gather_abstract_eval)
 decode_push_p.def_abstract_eval(_decode_push_abstract_eval)
 dcp_merge_p.def_abstract_eval(_merge_abstract_eval)
 
@@ -244,6 +258,21 @@ def _decode_push_lowering(ctx, *operands, dcp_size, heads_own, config, valid_hin
     )
 
 
+def _gather_lowering(ctx, queries, rank, step, *, dcp_size, padded, config):
+    del padded  # the result shape carries it
+    _require_setup()
+    rule = jax.ffi.ffi_lowering(GATHER_TARGET, has_side_effect=True)
+    return rule(
+        ctx,
+        queries,
+        rank,
+        step,
+        dcp_size=np.int64(dcp_size),
+        head_tile=np.int64(config.head_tile),
+        split=np.int64(config.split),
+    )
+
+
 def _merge_lowering(ctx, token, step, *, dcp_size, batch, heads_own, config):
     del batch, heads_own  # the result shapes carry them
     _require_setup()
@@ -258,12 +287,13 @@ def _merge_lowering(ctx, token, step, *, dcp_size, batch, heads_own, config):
     )
 
 
+mlir.register_lowering(gather_queries_p, _gather_lowering, platform="cuda")
 mlir.register_lowering(decode_push_p, _decode_push_lowering, platform="cuda")
 mlir.register_lowering(dcp_merge_p, _merge_lowering, platform="cuda")
 
 
 def decode_and_exchange(
-    q,
+    queries,
     kv,
     rows,
     valid,
@@ -272,31 +302,47 @@ def decode_and_exchange(
     rank,
     step,
     dcp_size: int,
-    heads_own: int,
     valid_hint: int | None,
     kernel_config: KernelConfig | None,
 ):
-    """The decode of every rank's heads on this rank's keys, pushed to the heads' owners, and
-    the merge of what this rank owns.
+    """The whole push exchange of one dcp_decode: every rank's query heads gathered by pushes,
+    the decode of all of them on this rank's keys pushed to the heads' owners, and the merge of
+    what this rank owns. No collective.
 
-    Operands as ``ops.kernel_operands`` makes them: q [B, Hp, 576] (the D * H_own gathered
-    heads padded to Hp), kv [N, W], rows [B, K], valid [B], scales f32[2]; rank and step int32
-    scalars; gathered head ``r * heads_own + h`` belongs to rank r. ``kernel_config`` forces
+    queries [B, H_own, 576] float8_e4m3fn are this rank's heads (gathered head ``r * H_own +
+    h`` is head h of rank r); kv [N, W], rows [B, K], valid [B], scales f32[2] as
+    ``ops.kernel_operands`` makes them; rank and step int32 scalars. ``kernel_config`` forces
     the decode's config (else the dispatch rule's, as for ``decode``). Returns the merged
     latent [B, H_own, 512] bf16 and lse [B, H_own] f32 of this rank's heads. CUDA only
     (``dcp_decode`` routes other platforms to the collectives).
     """
-    batch, padded, _ = q.shape
+    batch, heads_own, _ = queries.shape
+    padded = -(-dcp_size * heads_own // HEAD_TILE) * HEAD_TILE
     width = rows.shape[1] if valid_hint is None else min(rows.shape[1], valid_hint)
     # Chosen here, not at lowering: the merge must know the decode's launch (whose flags).
     config = kernel_config or choose_config(batch, padded, width, cuda_lowering.sm_count())
     # The barriers keep XLA:GPU's dynamic-slice fusion from folding a slice of the operands or
     # an update of the results (e.g. a scan stacking the rows) into a clone of these calls: it
-    # keeps the original too (it has side effects), so the exchange would run twice per step
-    # (seen on the H200 with the first exchange design: the second merge timed out).
-    operands = lax.optimization_barrier((q, kv, rows, valid, scales, rank, step))
+    # keeps the original too (they have side effects), so the exchange would run twice per
+    # step (seen on the H200 with the first exchange design: the second merge timed out).
+    queries, kv, rows, valid, scales, rank, step = lax.optimization_barrier(
+        (queries, kv, rows, valid, scales, rank, step)
+    )
+    gathered = gather_queries_p.bind(
+        queries, rank, step, dcp_size=dcp_size, padded=padded, config=config
+    )
     token = decode_push_p.bind(
-        *operands, dcp_size=dcp_size, heads_own=heads_own, config=config, valid_hint=valid_hint
+        gathered,
+        kv,
+        rows,
+        valid,
+        scales,
+        rank,
+        step,
+        dcp_size=dcp_size,
+        heads_own=heads_own,
+        config=config,
+        valid_hint=valid_hint,
     )
     merged = dcp_merge_p.bind(
         token, step, dcp_size=dcp_size, batch=batch, heads_own=heads_own, config=config

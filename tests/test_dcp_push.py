@@ -212,8 +212,15 @@ def test_cuda_lowering_has_push_and_merge_and_no_all_to_all(monkeypatch):
     except (FileNotFoundError, OSError) as err:
         pytest.skip(f"handler library not installed: {err}")
     text = _lower_push_for_cuda(dcp=2, heads_own=16, batch=5)
-    assert "all_to_all" not in text
-    assert len(re.findall(r"stablehlo\.all_gather", text)) == 1  # q, as bytes
+    assert "all_to_all" not in text and "all_gather" not in text  # no collective at all
+    gather = re.search(
+        r"(%\S+) = stablehlo\.custom_call @jax_sparse_mla_dcp_gather_queries\((.*)", text
+    )
+    assert gather and "has_side_effect = true" in gather.group(0), text
+    assert "dcp_size = 2" in gather.group(0)
+    assert "(tensor<5x16x576xf8E4M3FN>, tensor<i32>, tensor<i32>) -> tensor<5x32x576xf8E4M3FN>" in (
+        gather.group(0)
+    )
     push = re.search(r"stablehlo\.custom_call @jax_sparse_mla_decode_push\((.*)", text)
     merge = re.search(r"(%\S+):2 = stablehlo\.custom_call @jax_sparse_mla_dcp_merge\((.*)", text)
     assert push and merge, text
@@ -230,6 +237,7 @@ def test_cuda_lowering_has_push_and_merge_and_no_all_to_all(monkeypatch):
     assert "jax_sparse_mla_decode(" not in text  # no plain decode
     token = re.search(r"(%\S+) = stablehlo\.custom_call @jax_sparse_mla_decode_push", text).group(1)
     assert merge.group(2).startswith(token), (token, merge.group(0))
+    assert push.group(1).startswith(gather.group(1) + ","), push.group(0)[:200]  # its q
 
 
 def test_export_for_cuda_keeps_the_exchange(monkeypatch):
@@ -246,4 +254,5 @@ def test_export_for_cuda_keeps_the_exchange(monkeypatch):
     checks = jax_sparse_mla.cuda_lowering.export_disabled_checks()
     exported = jax.export.export(fn, platforms=("cuda",), disabled_checks=checks)(*args)
     text = jax.export.deserialize(exported.serialize()).mlir_module()
-    assert "@jax_sparse_mla_decode_push" in text and "@jax_sparse_mla_dcp_merge" in text
+    for target in ("decode_push", "dcp_gather_queries", "dcp_merge"):
+        assert f"@jax_sparse_mla_{target}" in text, target
