@@ -261,6 +261,23 @@ std::string Setup(const int32_t* ordinals, int32_t dcp_size, int64_t capacity,
   return "";
 }
 
+// What an error record's code says happened: the one source of these texts (execute's errors
+// here, dcp_check's through JaxSparseMlaDcpErrorText).
+const char* ErrorText(uint32_t code) {
+  switch (code) {
+    case kTimeout:
+      return "timed out waiting for the partials of a rank";
+    case kParity:
+      return "was given a step with the previous exchange's parity (steps must alternate)";
+    case kRank:
+      return "ran with an axis rank that disagrees with dcp_setup's device order";
+    case kQueryTimeout:
+      return "timed out waiting for the query heads of a rank";
+    default:
+      return "failed";
+  }
+}
+
 ffi::Error Failed(std::string message) {
   return ffi::Error(ffi::ErrorCode::kFailedPrecondition, "jax_sparse_mla: " + std::move(message));
 }
@@ -283,13 +300,9 @@ ffi::ErrorOr<Mailbox*> MailboxFor(cudaStream_t stream, int64_t dcp_size) {
         "jax_sparse_mla.dcp_setup(mesh, axis_name) once before the first call"));
   }
   if (uint32_t code = mailbox->host_error[0]; code != 0) {
-    const char* what = code == kTimeout        ? "timed out waiting for a rank's partials"
-                       : code == kParity       ? "step had the previous exchange's parity"
-                       : code == kRank         ? "axis rank disagreed with dcp_setup's device order"
-                       : code == kQueryTimeout ? "timed out waiting for a rank's query heads"
-                                               : "failed";
     return Unexpected(Failed(
-        "an earlier push exchange on device " + std::to_string(mailbox->ordinal) + " " + what +
+        "an earlier push exchange on device " + std::to_string(mailbox->ordinal) + " " +
+        ErrorText(code) +
         " (step " + std::to_string(static_cast<int32_t>(mailbox->host_error[1])) + ", row " +
         std::to_string(mailbox->host_error[2]) + ", source " +
         std::to_string(mailbox->host_error[3]) +
@@ -458,6 +471,11 @@ JAX_SPARSE_MLA_EXPORT int JaxSparseMlaDcpStatus(int32_t ordinal, uint32_t* recor
     return 0;
   }
   return -1;
+}
+
+// The text of an error record's code (dcp_check's message).
+JAX_SPARSE_MLA_EXPORT const char* JaxSparseMlaDcpErrorText(uint32_t code) {
+  return ErrorText(code);
 }
 
 JAX_SPARSE_MLA_EXPORT XLA_FFI_Error* JaxSparseMlaDcpGatherQueries(XLA_FFI_CallFrame* call_frame);

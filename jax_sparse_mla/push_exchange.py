@@ -61,12 +61,6 @@ MAX_CAPACITY_BYTES = 2**31 - 1
 DEFAULT_TIMEOUT_S = 5.0
 """How long a merge waits for a rank's partials before it gives NaN rows and an error."""
 
-_ERRORS = {
-    1: "timed out waiting for the partials of a rank",
-    2: "was given a step with the previous exchange's parity (steps must alternate)",
-    3: "ran with an axis rank that disagrees with dcp_setup's device order",
-    4: "timed out waiting for the query heads of a rank",
-}
 
 log = logging.getLogger("jax_sparse_mla")
 _LOCK = threading.Lock()
@@ -88,6 +82,8 @@ def _load_library() -> ctypes.CDLL:
                 ctypes.c_char_p,
                 ctypes.c_int64,
             ]
+            library.JaxSparseMlaDcpErrorText.argtypes = [ctypes.c_uint32]
+            library.JaxSparseMlaDcpErrorText.restype = ctypes.c_char_p
             library.JaxSparseMlaDcpStatus.argtypes = [
                 ctypes.c_int32,
                 ctypes.POINTER(ctypes.c_uint32),
@@ -186,7 +182,7 @@ def dcp_check() -> None:
         if library.JaxSparseMlaDcpStatus(ordinal, record) != 0 or record[0] == 0:
             continue
         code, step, row, source = record
-        what = _ERRORS.get(code, f"failed with code {code}")
+        what = library.JaxSparseMlaDcpErrorText(code).decode()
         step = int(np.uint32(step).view(np.int32))
         failures.append(f"CUDA device {ordinal} {what} (step {step}, row {row}, source {source})")
     if failures:

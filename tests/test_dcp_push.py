@@ -256,3 +256,16 @@ def test_export_for_cuda_keeps_the_exchange(monkeypatch):
     text = jax.export.deserialize(exported.serialize()).mlir_module()
     for target in ("decode_push", "dcp_gather_queries", "dcp_merge"):
         assert f"@jax_sparse_mla_{target}" in text, target
+
+
+def test_error_texts_come_from_the_library():
+    """dcp_check words a failure with the library's text for its code (one source for the
+    handlers' errors and dcp_check): one per code the kernels record, "failed" otherwise."""
+    try:
+        library = push_exchange._load_library()
+    except (FileNotFoundError, OSError) as err:
+        pytest.skip(f"handler library not installed: {err}")
+    texts = [library.JaxSparseMlaDcpErrorText(code).decode() for code in (1, 2, 3, 4, 99)]
+    assert "partials" in texts[0] and "parity" in texts[1] and "rank" in texts[2]
+    assert "query heads" in texts[3] and texts[4] == "failed"
+    assert len(set(texts)) == 5
