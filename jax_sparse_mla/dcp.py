@@ -217,10 +217,11 @@ def dcp_decode(
         (same on every rank).
       exchange: how the partials reach their owners. "collectives" (default): one XLA
         all_to_all, any platform. "push": on CUDA GPUs set up by ``jax_sparse_mla.dcp_setup``,
-        each rank's kernel stores the partials straight into the owners' mailboxes and the
-        owner merges them (see ``jax_sparse_mla.push_exchange``: its step rule, timeout and
-        errors); with ``implementation="reference"`` or on other platforms it runs as
-        "collectives", with the same results.
+        no collective: each rank pushes its query heads to the others, its decode kernel
+        stores the partials straight into the owners' mailboxes and the owner merges them
+        (see ``jax_sparse_mla.push_exchange``: its step rule, timeout and errors); with
+        ``implementation="reference"`` or on other platforms it runs as "collectives", with
+        the same results.
       step: int32 scalar (traced or not), required with "push": consecutive push exchanges
         must alternate its parity (a decode loop's counter; ``step * layers + layer`` with
         several exchanges per step). Unused by "collectives".
