@@ -173,6 +173,13 @@ def _check_meta(kernel: kernel_compile.CompiledKernel, config: KernelConfig) -> 
         raise RuntimeError(f"cubin metadata for {config} does not match the ABI: {seen=}")
 
 
+def dispatched_config(batch: int, padded_heads: int, width: int, valid_hint: int | None):
+    """The dispatch rule's config for B = ``batch``, Hp = ``padded_heads`` and K = ``width``
+    index slots, read as min(K, valid_hint) when there is a hint, on the local GPUs."""
+    width = width if valid_hint is None else min(width, valid_hint)
+    return dispatch.choose_config(batch, padded_heads, width, sm_count())
+
+
 def kernel_or_reason(
     avals: Sequence[jax.core.ShapedArray], config: KernelConfig | None, valid_hint: int | None
 ):
@@ -194,8 +201,7 @@ def kernel_or_reason(
     except (FileNotFoundError, OSError) as err:
         return None, str(err)
     if config is None:
-        width = rows.shape[1] if valid_hint is None else min(rows.shape[1], valid_hint)
-        config = dispatch.choose_config(batch, padded_heads, width, sm_count())
+        config = dispatched_config(batch, padded_heads, rows.shape[1], valid_hint)
     try:
         kernel = kernel_compile.get_kernel(config)
     except (KernelUnavailableError, ImportError) as err:

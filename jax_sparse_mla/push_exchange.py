@@ -40,7 +40,6 @@ from jax.interpreters import mlir
 
 from jax_sparse_mla import cuda_lowering
 from jax_sparse_mla.kernel.config import KernelConfig
-from jax_sparse_mla.kernel.dispatch import choose_config
 from jax_sparse_mla.validation import HEAD_TILE, LATENT
 
 __all__ = [
@@ -236,9 +235,9 @@ def _require_setup() -> None:
         )
 
 
-def _decode_push_lowering(ctx, *operands, dcp_size, heads_own, config, valid_hint):
+def _decode_push_lowering(ctx, *operands, dcp_size, heads_own, config):
     _require_setup()
-    kernel, reason = cuda_lowering.kernel_or_reason(ctx.avals_in, config, valid_hint)
+    kernel, reason = cuda_lowering.kernel_or_reason(ctx.avals_in, config, None)
     if kernel is None:
         raise NotImplementedError(
             f"dcp_decode(exchange='push') needs the decode kernel: {reason}; use "
@@ -314,9 +313,10 @@ def decode_and_exchange(
     """
     batch, heads_own, _ = queries.shape
     padded = -(-dcp_size * heads_own // HEAD_TILE) * HEAD_TILE
-    width = rows.shape[1] if valid_hint is None else min(rows.shape[1], valid_hint)
     # Chosen here, not at lowering: the merge must know the decode's launch (whose flags).
-    config = kernel_config or choose_config(batch, padded, width, cuda_lowering.sm_count())
+    config = kernel_config or cuda_lowering.dispatched_config(
+        batch, padded, rows.shape[1], valid_hint
+    )
     # The barriers keep XLA:GPU's dynamic-slice fusion from folding a slice of the operands or
     # an update of the results (e.g. a scan stacking the rows) into a clone of these calls: it
     # keeps the original too (they have side effects), so the exchange would run twice per
@@ -338,7 +338,6 @@ def decode_and_exchange(
         dcp_size=dcp_size,
         heads_own=heads_own,
         config=config,
-        valid_hint=valid_hint,
     )
     merged = dcp_merge_p.bind(
         token, step, dcp_size=dcp_size, batch=batch, heads_own=heads_own, config=config
