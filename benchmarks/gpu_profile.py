@@ -15,14 +15,16 @@ import shutil
 import statistics
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 from jax.profiler import ProfileData
 
-GAP_NS = 40_000  # the host sleeps 200 us between calls; kernels of one call are closer
+GAP_NS = 300_000  # the host sleeps 1 ms between calls; kernels of one call are far closer
+# (a host hiccup between two launches of one call can idle the GPU for tens of us)
 Events = list[tuple[int, int, str]]  # (start ns, end ns, name)
 
 
@@ -31,6 +33,11 @@ class CallTimes:
     kernel_us: list[float]  # per call: sum of kernel durations
     span_us: list[float]  # per call: first start to last end
     names: list[str]  # distinct kernel names seen
+    by_name_us: list[Counter] = field(default_factory=list)  # per call: kernel name -> us
+
+    def named_us(self, names: set[str]) -> list[float]:
+        """Per call: the summed durations of the kernels with these names."""
+        return [sum(call[name] for name in names) for call in self.by_name_us]
 
     def summary(self, values: list[float]) -> dict[str, float]:
         ordered = sorted(values)
@@ -90,7 +97,7 @@ def profile_calls(fn, args, calls: int) -> CallTimes:
     """Run ``fn(*args)`` ``calls`` times under the profiler; return per-call device times."""
     jax.block_until_ready(fn(*args))  # compile and warm up outside the trace
     jax.block_until_ready(fn(*args))
-    planes = record(lambda: fn(*args), calls, pause_s=200e-6)
+    planes = record(lambda: fn(*args), calls, pause_s=1e-3)
     events = sorted(e for plane_events in planes.values() for e in plane_events)
     if not events:
         raise RuntimeError("the profiler recorded no GPU events (is this a GPU run?)")
@@ -102,4 +109,10 @@ def profile_calls(fn, args, calls: int) -> CallTimes:
     kernel_us = [sum(e - s for s, e, _ in g) / 1e3 for g in groups]
     span_us = [(max(e for _, e, _ in g) - g[0][0]) / 1e3 for g in groups]
     names = sorted({n for _, _, n in events})
-    return CallTimes(kernel_us, span_us, names)
+    by_name_us = []
+    for group in groups:
+        durations = Counter()
+        for start, end, name in group:
+            durations[name] += (end - start) / 1e3
+        by_name_us.append(durations)
+    return CallTimes(kernel_us, span_us, names, by_name_us)

@@ -4,28 +4,41 @@ What a JAX inference stack runs for one attention layer of a Kimi-K3-class model
 speculative-decode verify step, with random weights (nothing is downloaded):
 
 1. the new tokens' cache entries: kv_a projection -> RMSNorm on the 512 latent, RoPE on the 64
-   rope dims -> FP8 E4M3 with the cache's per-tensor scale, written into the [N, 576] cache
-   (and the DSA indexer's FP8 key for each token);
+   rope dims -> FP8 E4M3 with the cache's per-tensor scale, written into the [N, 576] cache;
+   and each token's DSA index key, LayerNorm(W_k x) with RoPE on its first 64 dims -> FP8 E4M3
+   with one FP32 scale per token (amax / 448 of its 128 values), written into the [N, 128]
+   index cache and its [N] scales (DeepSeek V3.2's layout);
 2. the absorbed MLA query: q = W_q_b(rmsnorm(W_q_a x)), RoPE on the rope part, W_UK absorbed
    into the nope part (-> 512 latent), concat to 576, FP8 with a per-tensor scale;
-3. the DSA indexer: score[t] = sum_h w_h * relu(q_h . k_t) over the FP8 index keys, causal
-   (verify row i at position pos + i sees tokens t <= pos + i, its own included), exact
-   top-k per row with lax.top_k;
+3. the DSA indexer, DeepSeek V3.2's lightning indexer: the index query (RoPE on each head's
+   first 64 dims) -> FP8 E4M3 with one scale per (row, head), folded into the head weights
+   w = W_w(x) * heads^-0.5 * 128^-0.5 * q_scale; then ``jax_sparse_mla.index_topk``: score[t] =
+   k_scale[t] * sum_h w_h * relu(q_h . k_t) in FP32, causal (verify row i at position pos + i
+   sees tokens t <= pos + i, its own included), the exact top-k in ascending token order
+   (under --dcp: ``jax_sparse_mla.dcp_index_topk`` over the token-sharded index cache);
 4. sparse attention over the selected keys with ``jax_sparse_mla.decode`` (or, with --dcp N,
-   ``jax_sparse_mla.dcp_decode`` inside ``jax.shard_map``: the cache sharded by token, token t
+   ``jax_sparse_mla.dcp_decode`` inside ``jax.shard_map``: both caches sharded by token, token t
    on rank t % N at local row t // N, and each rank holding its own 1/N of the heads);
 5. W_UV (latent -> v_head_dim per head) and the output projection (row-parallel under DCP:
    a psum over ranks).
 
-Then it checks the layer output against a dense float32 attention over the same selected keys
-(dequantized FP8 query and cache, exact softmax) and times the jitted step: on a GPU the
-CuTe kernel path and the pure-jnp reference path side by side, on a CPU the reference only.
-Each phase of the step is a ``jax.named_scope``: cache_write (1), query (2), indexer_scores
-and topk (3), sparse_decode (4), output_projection (5).
+Two paths run the same step: "kernel" (index_topk with implementation=None: its kernel on a
+Hopper GPU, else the reference, as the log says; the attention with implementation='cute') and
+"reference" (both implementation='reference': the pure-jnp baseline). On a GPU both run side
+by side, on a CPU the reference only. Per path the script checks the layer output against a
+dense float32 attention over the same selected keys (dequantized FP8 query and cache, exact
+softmax) and the selected tokens against a float64 top-k of the same FP8 index operands; on a
+GPU it checks that the kernel path selects the reference path's tokens, except where scores tie
+within FP32 rounding at a row's k-th score (examples/token_agreement.py). Then it times the
+jitted step. Each phase of the step is a ``jax.named_scope``: cache_write (1), query (2),
+index_query (3: the index query, its quantization and the weights) and index_topk (3: the op),
+sparse_decode (4), output_projection (5).
 
 Output, per path:
 
     CHECK <path>: ...        the layer output's relative error vs the dense attention
+    CHECK <path> index_topk: ...   its selected tokens vs the float64 top-k: differing tokens,
+                             and how many lie beyond FP32 rounding of the row's k-th score
     TIME <path>: ...         the jitted step's wall clock incl. dispatch (host work and
                              launches included: not a measure of the GPU work)
     GPU step, <path> path (/device:GPU:N): median [p10, p90] GPU time per step over
@@ -37,9 +50,11 @@ Output, per path:
                              no phase claims); the rows add up to the step's total
                              (examples/phase_times.py says how events are attributed)
 
-and at the end, on a GPU, per device:
+and at the end, on a GPU:
 
-    GPU TIME sparse_decode (...): kernel path X us vs reference path Y us per step
+    CHECK index_topk, kernel vs reference path: N differing tokens ...
+    GPU TIME index_topk (...): kernel path X us vs reference path Y us per step, per device
+    GPU TIME sparse_decode (...): ...
     GPU TIME whole step (...): ...   (and "collectives" under DCP)
     RESULT: PASS | FAIL
 
@@ -54,7 +69,7 @@ Run (from the repository root):
     .venv/bin/python examples/kimi_decode_step.py --help
 
 On a CPU machine --dcp N creates N virtual CPU devices itself (XLA_FLAGS is set before jax
-is imported). The script exits with status 1 when the numeric check fails.
+is imported). The script exits with status 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -74,15 +89,17 @@ from typing import Any, NamedTuple
 KV_LORA_RANK = 512  # latent width of the cache row; fixed by the FP8 [N, 576] layout
 QK_ROPE_DIM = 64  # rope width of the cache row (and of each indexer head's first dims)
 CACHE_WIDTH = KV_LORA_RANK + QK_ROPE_DIM
+INDEX_HEAD_DIM = 128  # width of an index head and key; fixed by index_topk's FP8 index cache
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 ROPE_THETA = 50000.0
 NORM_EPS = 1e-6
 MESH_AXIS = "dcp"
 KERNEL_TARGET = "jax_sparse_mla_decode"  # the kernel's XLA custom call (cuda_lowering.FFI_TARGET)
 PUSH_TARGET = "jax_sparse_mla_decode_push"  # the pushing decode (cuda_lowering.PUSH_FFI_TARGET)
+INDEX_TARGET = "jax_sparse_mla_index_topk"  # index_topk's kernel (its XLA custom call)
 # The step's phases: jax.named_scope names in the step, rows of the GPU time table (plus
 # "collectives" under DCP and "other" for what no phase claims).
-PHASES = ("cache_write", "query", "indexer_scores", "topk", "sparse_decode", "output_projection")
+PHASES = ("cache_write", "query", "index_query", "index_topk", "sparse_decode", "output_projection")
 
 # Relative error (Frobenius, over all verify rows) of the layer output against the dense
 # float32 attention over the same keys. Both sides read the same FP8 query and cache, so the
@@ -123,9 +140,11 @@ except ModuleNotFoundError:  # run from a checkout without installing: the packa
     import jax_sparse_mla
 try:
     import phase_times
-except ModuleNotFoundError:  # imported from elsewhere (the tests): it sits next to this file
+    import token_agreement
+except ModuleNotFoundError:  # imported from elsewhere (the tests): they sit next to this file
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import phase_times
+    import token_agreement
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +158,6 @@ class LayerConfig:
     v_head_dim: int = 128
     index_topk: int = 2048
     index_heads: int = 64
-    index_head_dim: int = 128
 
     @property
     def softmax_scale(self) -> float:
@@ -155,7 +173,6 @@ SMALL = LayerConfig(
     v_head_dim=32,
     index_topk=64,
     index_heads=4,
-    index_head_dim=64,
 )
 SIZE_FLAGS = {
     "hidden": "model width",
@@ -164,28 +181,34 @@ SIZE_FLAGS = {
     "qk_nope_dim": "per-head no-rope query/key width (absorbed into the 512 latent)",
     "v_head_dim": "per-head value width after W_UV",
     "index_topk": "DSA top-k: keys attended per verify row",
-    "index_heads": "DSA indexer heads",
-    "index_head_dim": "DSA indexer head width (its first 64 dims get RoPE)",
+    "index_heads": "DSA indexer heads (each 128 wide, RoPE on its first 64 dims)",
 }
 
 
 class Cache(NamedTuple):
-    """The layer's caches. ``kv`` rows are in token order on one device; under DCP the global
-    array is rank-major (row r * N_local + j holds token j * D + r) and sharded by rank."""
+    """The layer's caches. Rows are in token order on one device; under DCP each global array
+    is rank-major (row r * N_local + j holds token j * D + r) and sharded by rank."""
 
     kv: jax.Array  # [N, 576] float8_e4m3fn: latent 512 (RMSNorm'd) + rope 64 (RoPE'd)
     kv_scale: jax.Array  # [] float32 per-tensor dequantization scale of kv
-    index_keys: jax.Array  # [N, index_head_dim] float8_e4m3fn, token order (replicated)
-    index_scale: jax.Array  # [] float32
+    index_keys: jax.Array  # [N, 128] float8_e4m3fn: the DSA indexer's key of each token
+    index_scales: jax.Array  # [N] float32: each index key's dequantization scale
+
+
+# Under DCP: both caches sharded by rank (rank-major rows), the per-tensor kv_scale replicated.
+CACHE_SPECS = Cache(P(MESH_AXIS, None), P(), P(MESH_AXIS, None), P(MESH_AXIS))
 
 
 class StepAux(NamedTuple):
-    """What the step attended with, for the dense check."""
+    """What the step attended with, for the dense check and the top-k checks."""
 
     q: jax.Array  # [R, H, 576] float8_e4m3fn
     q_scale: jax.Array  # [] float32
-    tokens: jax.Array  # [R, K] int32 global token ids, -1 = none
+    tokens: jax.Array  # [R, K] int32 global token ids ascending, then -1 (DCP: [D, R, K],
+    # every rank's copy)
     latent: jax.Array  # [R, H, 512] bfloat16 attention output
+    index_q: jax.Array  # [R, index_heads, 128] float8_e4m3fn
+    index_weights: jax.Array  # [R, index_heads] float32, the query's scales folded in
 
 
 _T0 = time.perf_counter()
@@ -211,8 +234,8 @@ def init_weights(cfg: LayerConfig, seed: int) -> dict[str, jax.Array]:
         "w_uk": ((cfg.heads, cfg.qk_nope_dim, KV_LORA_RANK), KV_LORA_RANK),
         "w_uv": ((cfg.heads, KV_LORA_RANK, cfg.v_head_dim), KV_LORA_RANK),
         "wo": ((cfg.heads, cfg.v_head_dim, cfg.hidden), cfg.heads * cfg.v_head_dim),
-        "wi_q": ((cfg.q_lora_rank, cfg.index_heads, cfg.index_head_dim), cfg.q_lora_rank),
-        "wi_k": ((cfg.hidden, cfg.index_head_dim), cfg.hidden),
+        "wi_q": ((cfg.q_lora_rank, cfg.index_heads, INDEX_HEAD_DIM), cfg.q_lora_rank),
+        "wi_k": ((cfg.hidden, INDEX_HEAD_DIM), cfg.hidden),
         "wi_w": ((cfg.hidden, cfg.index_heads), cfg.hidden),
     }
     rng = np.random.default_rng(seed)
@@ -224,10 +247,10 @@ def init_weights(cfg: LayerConfig, seed: int) -> dict[str, jax.Array]:
     for name, width in [
         ("q_a_norm", cfg.q_lora_rank),
         ("kv_a_norm", KV_LORA_RANK),
-        ("wi_k_norm", cfg.index_head_dim),
+        ("wi_k_norm", INDEX_HEAD_DIM),
     ]:
         weights[name] = jnp.ones((width,), jnp.bfloat16)
-    weights["wi_k_bias"] = jnp.zeros((cfg.index_head_dim,), jnp.bfloat16)
+    weights["wi_k_bias"] = jnp.zeros((INDEX_HEAD_DIM,), jnp.bfloat16)
     return weights
 
 
@@ -279,8 +302,21 @@ def fp8_scale(x: jax.Array) -> jax.Array:
     return jnp.maximum(jnp.max(jnp.abs(x)), 1e-12).astype(jnp.float32) / FP8_MAX
 
 
+def fp8_vector_scales(x: jax.Array) -> jax.Array:
+    """E4M3 scales [..., 1] of the last axis's vectors (one index key or head: 128 values),
+    each vector's amax mapped to 448."""
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    return jnp.maximum(amax, 1e-12).astype(jnp.float32) / FP8_MAX
+
+
+def to_fp8_vectors(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [..., 128] float32 -> (E4M3 values [..., 128], their scales [...] float32)."""
+    scales = fp8_vector_scales(x)
+    return to_fp8(x, scales), scales[..., 0]
+
+
 def cache_entries(w: dict, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Tokens' MLA cache rows [T, 576] and indexer keys [T, index_head_dim], float32."""
+    """Tokens' MLA cache rows [T, 576] and indexer keys [T, 128], float32."""
     kv = dot(x, w["wkv_a"], "td,dc->tc")
     latent = rms_norm(kv[:, :KV_LORA_RANK], w["kv_a_norm"])
     k_rope = rope(kv[:, KV_LORA_RANK:], positions)
@@ -298,23 +334,17 @@ def absorbed_query(w: dict, x: jax.Array, positions: jax.Array) -> tuple[jax.Arr
     return jnp.concatenate([q_latent, q_rope], axis=-1), q_a
 
 
-def index_topk(
-    w: dict, x: jax.Array, q_a: jax.Array, cache: Cache, positions: jax.Array, topk: int
-) -> jax.Array:
-    """DSA indexer: exact top-k token ids [R, K] per verify row, -1 where a row has fewer
-    than K visible tokens. score[t] = sum_h w_h * relu(q_h . k_t), tokens t <= position."""
-    heads, head_dim = w["wi_q"].shape[1:]
-    with jax.named_scope("indexer_scores"):
-        q = rope_head(dot(q_a, w["wi_q"], "rq,qhk->rhk"), positions[:, None])
-        head_weights = dot(x, w["wi_w"], "rd,dh->rh") * (heads * head_dim) ** -0.5
-        keys = cache.index_keys.astype(jnp.float32) * cache.index_scale
-        logits = jnp.einsum("rhk,tk->rht", q, keys)
-        scores = jnp.einsum("rh,rht->rt", head_weights, jax.nn.relu(logits))
-        visible = jnp.arange(keys.shape[0])[None, :] <= positions[:, None]
-        scores = jnp.where(visible, scores, -jnp.inf)
-    with jax.named_scope("topk"):
-        values, tokens = lax.top_k(scores, topk)
-        return jnp.where(values > -jnp.inf, tokens, -1).astype(jnp.int32)
+def index_query(
+    w: dict, x: jax.Array, q_a: jax.Array, positions: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """The DSA indexer's query [R, index_heads, 128] float8_e4m3fn, one scale per (row, head),
+    and the head weights [R, index_heads] float32 with that scale folded in: index_topk's
+    score is then k_scale * sum_h weights_h * relu(q8_h . k8), DeepSeek V3.2's indexer."""
+    heads = w["wi_q"].shape[1]
+    q = rope_head(dot(q_a, w["wi_q"], "rq,qhk->rhk"), positions[:, None])
+    q, q_scales = to_fp8_vectors(q)
+    weights = dot(x, w["wi_w"], "rd,dh->rh") * (heads**-0.5 * INDEX_HEAD_DIM**-0.5)
+    return q, weights * q_scales
 
 
 def output_projection(w_uv: jax.Array, wo: jax.Array, latent: jax.Array) -> jax.Array:
@@ -333,33 +363,49 @@ def make_step(
 ) -> Callable[..., tuple[jax.Array, Cache, StepAux]]:
     """step(weights, cache, x [R, hidden], pos, exchange_step) -> (out [R, hidden] f32, cache,
     aux), jitted with the cache donated (rewritten in place with the verify tokens' entries).
-    exchange_step (int32) is dcp_decode's step: it must advance by one at every call for
-    exchange="push"."""
+    implementation: "cute" (the kernel path: index_topk with implementation=None, the
+    attention 'cute') or "reference" (both 'reference'). exchange_step (int32) is
+    dcp_decode's step: it must advance by one at every call for exchange="push"."""
+    index_implementation = None if implementation == "cute" else implementation
 
     def step(w: dict, cache: Cache, x: jax.Array, pos: jax.Array, exchange_step: jax.Array):
         positions = pos + jnp.arange(x.shape[0], dtype=jnp.int32)
         with jax.named_scope("cache_write"):
             kv_new, index_new = cache_entries(w, x, positions)
             kv_new = to_fp8(kv_new, cache.kv_scale)
-            index_keys = cache.index_keys.at[positions].set(to_fp8(index_new, cache.index_scale))
-            cache = cache._replace(index_keys=index_keys)
-
+            index_new, index_scales_new = to_fp8_vectors(index_new)
         with jax.named_scope("query"):
             q, q_a = absorbed_query(w, x, positions)
             q_scale = fp8_scale(q)
             q = to_fp8(q, q_scale)
-        tokens = index_topk(w, x, q_a, cache, positions, cfg.index_topk)
+        with jax.named_scope("index_query"):
+            index_q, index_weights = index_query(w, x, q_a, positions)
+        # One request whose R verify rows are the last R tokens of its context.
+        lengths = (pos + x.shape[0]).reshape(1).astype(jnp.int32)
 
         if mesh is None:
             with jax.named_scope("cache_write"):
-                kv = cache.kv.at[positions].set(kv_new)
+                cache = cache._replace(
+                    kv=cache.kv.at[positions].set(kv_new),
+                    index_keys=cache.index_keys.at[positions].set(index_new),
+                    index_scales=cache.index_scales.at[positions].set(index_scales_new),
+                )
+            with jax.named_scope("index_topk"):
+                tokens = jax_sparse_mla.index_topk(
+                    index_q[None],
+                    index_weights[None],
+                    cache.index_keys,
+                    cache.index_scales,
+                    lengths,
+                    top_k=cfg.index_topk,
+                    implementation=index_implementation,
+                )
             with jax.named_scope("sparse_decode"):
-                # lax.top_k sorts descending, so a row's visible tokens come first.
-                valid = jnp.sum(tokens >= 0, axis=1, dtype=jnp.int32)
+                rows, valid = jax_sparse_mla.token_rows(tokens)  # [1, R, K] -> [R, K], [R]
                 latent, _ = jax_sparse_mla.decode(
                     q,
-                    kv,
-                    tokens,
+                    cache.kv,
+                    rows,
                     valid,
                     softmax_scale=cfg.softmax_scale,
                     q_scale=q_scale,
@@ -368,22 +414,22 @@ def make_step(
                 )
             with jax.named_scope("output_projection"):
                 out = output_projection(w["w_uv"], w["wo"], latent)
+            tokens = tokens[0]
         else:
-            out, kv, latent = dcp_attention(
+            out, cache, latent, tokens = dcp_attention(
                 cfg,
                 mesh,
-                implementation,
+                (implementation, index_implementation),
                 exchange,
                 exchange_step,
                 w,
                 cache,
-                kv_new,
+                (kv_new, index_new, index_scales_new),
                 positions,
-                q,
-                q_scale,
-                tokens,
+                lengths,
+                (q, q_scale, index_q, index_weights),
             )
-        return out, cache._replace(kv=kv), StepAux(q, q_scale, tokens, latent)
+        return out, cache, StepAux(q, q_scale, tokens, latent, index_q, index_weights)
 
     return jax.jit(step, donate_argnums=1)
 
@@ -391,59 +437,79 @@ def make_step(
 def dcp_attention(
     cfg: LayerConfig,
     mesh: jax.sharding.Mesh,
-    implementation: str,
+    implementations: tuple[str, str | None],
     exchange: str,
     exchange_step: jax.Array,
     w: dict,
     cache: Cache,
-    kv_new: jax.Array,
+    entries: tuple[jax.Array, jax.Array, jax.Array],
     positions: jax.Array,
-    q: jax.Array,
-    q_scale: jax.Array,
-    tokens: jax.Array,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Attention + output projection with the cache sharded by token over the mesh: each rank
-    writes the verify tokens it owns, maps the global top-k to its local rows, runs
-    dcp_decode for its own heads, and the row-parallel output projection is psum'd."""
+    lengths: jax.Array,
+    queries: tuple[jax.Array, jax.Array, jax.Array, jax.Array],
+) -> tuple[jax.Array, Cache, jax.Array, jax.Array]:
+    """Indexer, attention and output projection with both caches sharded by token over the
+    mesh: each rank writes the verify tokens it owns, takes the global top-k with
+    dcp_index_topk over its index shard, maps it to its local rows, runs dcp_decode for its
+    own heads, and the row-parallel output projection is psum'd. Returns (out, cache, latent,
+    tokens [D, R, K]: every rank's copy of the global positions)."""
     dcp = mesh.shape[MESH_AXIS]
+    implementation, index_implementation = implementations
+    q, q_scale, index_q, index_weights = queries
 
-    def per_rank(kv_local, kv_new, q_own, tokens, q_scale, kv_scale, step, w_uv_own, wo_own):
+    def per_rank(local: Cache, entries, q_own, index_q, index_weights, q_scale, step, w_uv, wo):
         rank = lax.axis_index(MESH_AXIS)
         with jax.named_scope("cache_write"):
-            local_n = kv_local.shape[0]
+            local_n = local.kv.shape[0]
             mine = positions % dcp == rank
             slots = jnp.where(mine, positions // dcp, local_n)  # local_n: dropped
-            kv_local = kv_local.at[slots].set(kv_new, mode="drop")
-        # Its all-gather / all-to-all go to phase "collectives"; the push exchange's kernels
-        # stay in "sparse_decode".
+            kv_new, index_new, index_scales_new = entries
+            local = local._replace(
+                kv=local.kv.at[slots].set(kv_new, mode="drop"),
+                index_keys=local.index_keys.at[slots].set(index_new, mode="drop"),
+                index_scales=local.index_scales.at[slots].set(index_scales_new, mode="drop"),
+            )
+        # Collectives (the candidates' exchange, dcp_decode's all-gather / all-to-all) go to
+        # phase "collectives"; the push exchange's kernels stay in "sparse_decode".
+        with jax.named_scope("index_topk"):
+            tokens = jax_sparse_mla.dcp_index_topk(
+                index_q[None],
+                index_weights[None],
+                local.index_keys,
+                local.index_scales,
+                lengths,
+                axis_name=MESH_AXIS,
+                top_k=cfg.index_topk,
+                implementation=index_implementation,
+            )[0]
         with jax.named_scope("sparse_decode"):
             rows, valid = jax_sparse_mla.local_rows(tokens, rank=rank, dcp_size=dcp)
             latent, _ = jax_sparse_mla.dcp_decode(
                 q_own,
-                kv_local,
+                local.kv,
                 rows,
                 valid,
                 axis_name=MESH_AXIS,
                 softmax_scale=cfg.softmax_scale,
                 q_scale=q_scale,
-                kv_scale=kv_scale,
+                kv_scale=local.kv_scale,
                 implementation=implementation,
                 exchange=exchange,
                 step=step,
             )
         with jax.named_scope("output_projection"):
-            out = lax.psum(output_projection(w_uv_own, wo_own, latent), MESH_AXIS)
-        return out, kv_local, latent
+            out = lax.psum(output_projection(w_uv, wo, latent), MESH_AXIS)
+        # Every rank's copy of the tokens comes out, for the check that they are identical.
+        return out, local, latent, tokens[None]
 
     heads = P(None, MESH_AXIS, None)
     sharded = jax.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=(P(MESH_AXIS, None), P(), heads, P(), P(), P(), P(), P(MESH_AXIS), P(MESH_AXIS)),
-        out_specs=(P(), P(MESH_AXIS, None), heads),
+        in_specs=(CACHE_SPECS, P(), heads, P(), P(), P(), P(), P(MESH_AXIS), P(MESH_AXIS)),
+        out_specs=(P(), CACHE_SPECS, heads, P(MESH_AXIS)),
     )
     return sharded(
-        cache.kv, kv_new, q, tokens, q_scale, cache.kv_scale, exchange_step, w["w_uv"], w["wo"]
+        cache, entries, q, index_q, index_weights, q_scale, exchange_step, w["w_uv"], w["wo"]
     )
 
 
@@ -453,8 +519,9 @@ def dcp_attention(
 
 
 def build_cache(w: dict, context: int, capacity: int, dcp: int, key: jax.Array) -> Cache:
-    """Cache entries of `context` random hidden states at positions 0..context-1, FP8 with a
-    per-tensor scale calibrated on them; rows up to `capacity` are empty."""
+    """Cache entries of `context` random hidden states at positions 0..context-1: the MLA
+    rows FP8 with a per-tensor scale calibrated on them, the index keys FP8 with one scale
+    each; rows up to `capacity` are empty (zero keys and scales)."""
     chunk = min(1024, context)
     kv_parts, index_parts = [], []
     for start in range(0, context, chunk):
@@ -483,22 +550,25 @@ def quantize_cache(
     capacity: int,
     dcp: int,
 ) -> Cache:
-    """The first `context` float32 entries -> FP8 cache of `capacity` rows (rank-major
-    under DCP), per-tensor scales from their amax."""
+    """The first `context` float32 entries -> FP8 caches of `capacity` rows (rank-major
+    under DCP): kv with a per-tensor scale from its amax, index keys with one scale each."""
     kv = jnp.concatenate(kv_parts)[:context]
-    index_keys = jnp.concatenate(index_parts)[:context]
-    kv_scale, index_scale = fp8_scale(kv), fp8_scale(index_keys)
+    kv_scale = fp8_scale(kv)
+    index_keys, index_scales = to_fp8_vectors(jnp.concatenate(index_parts)[:context])
     pad = ((0, capacity - context), (0, 0))
     kv = jnp.pad(to_fp8(kv, kv_scale), pad)
-    index_keys = jnp.pad(to_fp8(index_keys, index_scale), pad)
+    index_keys = jnp.pad(index_keys, pad)
+    index_scales = jnp.pad(index_scales, pad[:1])
     if dcp > 1:  # token t -> rank t % dcp, local row t // dcp; rank-major rows
-        kv = kv.reshape(capacity // dcp, dcp, CACHE_WIDTH).swapaxes(0, 1)
-        kv = kv.reshape(capacity, CACHE_WIDTH)
-    return Cache(kv, kv_scale, index_keys, index_scale)
+        kv, index_keys, index_scales = (
+            a.reshape(capacity // dcp, dcp, *a.shape[1:]).swapaxes(0, 1).reshape(a.shape)
+            for a in (kv, index_keys, index_scales)
+        )
+    return Cache(kv, kv_scale, index_keys, index_scales)
 
 
 def flat_rows(tokens: jax.Array, capacity: int, dcp: int) -> jax.Array:
-    """Row of each global token in the cache's kv array (rank-major under DCP)."""
+    """Row of each global token in the cache's arrays (rank-major under DCP)."""
     return (tokens % dcp) * (capacity // dcp) + tokens // dcp
 
 
@@ -527,6 +597,45 @@ def relative_error(actual: jax.Array, expected: jax.Array) -> float:
     return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
 
 
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """One path's top-k and the FP8 index operands it scored: host copies, keys in token
+    order (taken before the next call overwrites the donated cache)."""
+
+    tokens: np.ndarray  # [R, K] int32 ascending, then -1
+    q: np.ndarray  # [R, index_heads, 128] float32 holding the FP8 values
+    weights: np.ndarray  # [R, index_heads] float32
+    keys: np.ndarray  # [capacity, 128] float32 holding the FP8 values
+    scales: np.ndarray  # [capacity] float32
+    visible: tuple[int, ...]  # row r scores positions [0, visible[r])
+
+    @classmethod
+    def of_step(cls, tokens: np.ndarray, aux: StepAux, cache: Cache, dcp: int, pos: int):
+        capacity = cache.index_keys.shape[0]
+        order = flat_rows(np.arange(capacity), capacity, dcp)
+        return cls(
+            tokens,
+            np.asarray(aux.index_q, np.float32),
+            np.asarray(aux.index_weights, np.float32),
+            np.asarray(cache.index_keys, np.float32)[order],
+            np.asarray(cache.index_scales, np.float32)[order],
+            tuple(pos + 1 + r for r in range(tokens.shape[0])),
+        )
+
+    def scores(self, row: int) -> token_agreement.RowScores:
+        """Row's float64 scores over its visible positions and their FP32 rounding bounds."""
+        end = self.visible[row]
+        return token_agreement.row_scores(
+            self.q[row], self.weights[row], self.keys[:end], self.scales[:end]
+        )
+
+    def operand_differences(self, other: Selection) -> int:
+        """Index operand values (query, weights, keys, scales) that differ from other's."""
+        pairs = [(self.q, other.q), (self.weights, other.weights)]
+        pairs += [(self.keys, other.keys), (self.scales, other.scales)]
+        return sum(int(np.sum(a != b)) for a, b in pairs)
+
+
 # ---------------------------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------------------------
@@ -536,11 +645,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__,
         epilog=(
-            f"Fixed by the FP8 cache layout: kv_lora_rank {KV_LORA_RANK}, qk_rope_dim "
-            f"{QK_ROPE_DIM} (cache rows of {CACHE_WIDTH} bytes). Size flags override the preset "
+            f"Fixed by the FP8 cache layouts: kv_lora_rank {KV_LORA_RANK}, qk_rope_dim "
+            f"{QK_ROPE_DIM} (cache rows of {CACHE_WIDTH} bytes), index heads and keys of "
+            f"{INDEX_HEAD_DIM} (one FP32 scale per key). Size flags override the preset "
             f"(Kimi-K3 class by default, --small for a tiny layer). Wall-clock lines (TIME) "
             f"include dispatch; GPU time per phase (GPU lines) comes from the JAX profiler, on "
-            f"a GPU only. Exit status 1 when the dense check fails."
+            f"a GPU only. Exit status 1 when a check fails."
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -573,9 +683,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--dcp",
         type=int,
         default=1,
-        help="decode context parallel size: >1 shards the cache by token over N devices "
-        "and runs dcp_decode in shard_map (on CPU, N virtual devices are created; "
-        "default 1: decode on one device)",
+        help="decode context parallel size: >1 shards both caches by token over N devices "
+        "and runs dcp_index_topk and dcp_decode in shard_map (on CPU, N virtual devices are "
+        "created; default 1: index_topk and decode on one device)",
     )
     parser.add_argument(
         "--exchange",
@@ -617,8 +727,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         args.iters or 0, args.warmup, args.profile_calls
     ) < 0:
         parser.error("--context must be positive, --iters, --warmup, --profile-calls not negative")
-    if args.config.index_head_dim < QK_ROPE_DIM or args.config.index_head_dim % 2:
-        parser.error(f"--index-head-dim must be even and >= {QK_ROPE_DIM}")
     if args.config.heads % args.dcp:
         parser.error(f"--heads {args.config.heads} must be a multiple of --dcp {args.dcp}")
     return args
@@ -670,9 +778,10 @@ def place(tree: Any, mesh: jax.sharding.Mesh | None, specs: Any) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    """Runs the example; returns {"passed", "rel_error", "paths", "timings" (wall clock
-    seconds per path), "gpu_times" (per path: {device plane: phase_times.PhaseTimes}, GPU
-    only)}."""
+    """Runs the example; returns {"passed", "rel_error", "paths", "index_check" (per path:
+    token_agreement.Agreement vs the float64 top-k), "kernel_vs_reference" (Agreement of the
+    two paths' tokens, when both ran), "timings" (wall clock seconds per path), "gpu_times"
+    (per path: {device plane: phase_times.PhaseTimes}, GPU only)}."""
     global _T0
     _T0 = time.perf_counter()
     args = parse_args(argv)
@@ -707,8 +816,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     )
     log(
         f"step: {rows} verify rows at positions {context}..{context + rows - 1}, "
-        f"cache {context} tokens (capacity {capacity} x {CACHE_WIDTH} FP8), top-k "
-        f"{cfg.index_topk}, attention: {attention}"
+        f"cache {context} tokens (capacity {capacity} x {CACHE_WIDTH} FP8, index "
+        f"{capacity} x {INDEX_HEAD_DIM} FP8 + 1 FP32 scale each), top-k {cfg.index_topk} by "
+        f"{'dcp_index_topk' if mesh else 'index_topk'}, attention: {attention}"
     )
 
     key = jax.random.key(args.seed)
@@ -720,7 +830,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     log(f"building the cache of {context} tokens ...")
     cache = build_cache(weights, context, capacity, dcp, jax.random.fold_in(key, 1))
     cache = jax.block_until_ready(cache)
-    log(f"  kv_scale {float(cache.kv_scale):.4g}, index_scale {float(cache.index_scale):.4g}")
+    scales = np.asarray(cache.index_scales)[np.asarray(cache.index_scales) > 0]
+    log(
+        f"  kv_scale {float(cache.kv_scale):.4g}, index key scales {scales.min():.4g}.."
+        f"{scales.max():.4g}"
+    )
     x = jnp.asarray(rng.standard_normal((rows, cfg.hidden), np.float32), jnp.bfloat16)
     pos = jnp.int32(context)
 
@@ -728,7 +842,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     weight_specs.update(w_uv=P(MESH_AXIS), wo=P(MESH_AXIS))
     weights = place(weights, mesh, weight_specs)
     x, pos = place((x, pos), mesh, (P(), P()))  # replicated once, not copied at every call
-    cache_specs = Cache(P(MESH_AXIS, None), P(), P(), P())
 
     paths = ["kernel", "reference"] if on_gpu else ["reference"]
     if not on_gpu:
@@ -737,15 +850,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "passed": True,
         "rel_error": {},
         "paths": [],
+        "index_check": {},
         "timings": {},
         "gpu_times": {},
     }
+    selections = {}
     for path in paths:
-        step_cache = place(jax.tree.map(jnp.copy, cache), mesh, cache_specs)
+        step_cache = place(jax.tree.map(jnp.copy, cache), mesh, CACHE_SPECS)
         try:
-            error, median, gpu_times = run_path(
-                path, cfg, mesh, weights, step_cache, x, pos, args, iters
-            )
+            outcome = run_path(path, cfg, mesh, weights, step_cache, x, pos, args, iters)
         except Exception as failure:  # the kernel path: say loudly why, then run the reference
             if path != "kernel":
                 raise
@@ -762,13 +875,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             results["passed"] &= expected
             continue
         results["paths"].append(path)
-        results["rel_error"][path] = error
-        results["passed"] &= bool(error <= TOLERANCE)
-        if median is not None:
-            results["timings"][path] = median
-        if gpu_times:
-            results["gpu_times"][path] = gpu_times
+        results["rel_error"][path] = outcome.rel_error
+        results["index_check"][path] = outcome.index_check
+        results["passed"] &= bool(outcome.rel_error <= TOLERANCE) and outcome.index_check.agrees
+        selections[path] = outcome.selection
+        if outcome.wall_s is not None:
+            results["timings"][path] = outcome.wall_s
+        if outcome.gpu_times:
+            results["gpu_times"][path] = outcome.gpu_times
 
+    if {"kernel", "reference"} <= selections.keys():
+        agreement = compare_paths(selections["kernel"], selections["reference"])
+        results["kernel_vs_reference"] = agreement
+        results["passed"] &= agreement.agrees
     if on_gpu and "kernel" not in results["paths"]:
         banner(["NO KERNEL: the step ran on the pure-jnp reference path only"])
     if not on_gpu:
@@ -783,6 +902,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     return results
 
 
+class PathOutcome(NamedTuple):
+    rel_error: float  # layer output vs the dense f32 attention
+    index_check: token_agreement.Agreement  # the step's tokens vs the float64 top-k
+    selection: Selection
+    wall_s: float | None  # wall-clock median of the jitted step
+    gpu_times: dict[str, phase_times.PhaseTimes] | None  # per device plane (GPU only)
+
+
 def run_path(
     path: str,
     cfg: LayerConfig,
@@ -793,10 +920,9 @@ def run_path(
     pos: jax.Array,
     args: argparse.Namespace,
     iters: int,
-) -> tuple[float, float | None, dict[str, phase_times.PhaseTimes] | None]:
-    """Compiles, checks and times the step on one path ("kernel": implementation='cute',
-    "reference"); returns (relative error, wall-clock median seconds or None, GPU time per
-    phase per device plane or None)."""
+) -> PathOutcome:
+    """Compiles, checks and times the step on one path ("kernel": the attention
+    implementation='cute', index_topk implementation=None; "reference": both 'reference')."""
     implementation = "cute" if path == "kernel" else "reference"
     platform = jax.devices()[0].platform
     log(f"compiling the step ({path} path, implementation={implementation!r}) ...")
@@ -811,12 +937,22 @@ def run_path(
     text = compiled.as_text()
     # With exchange="push" the kernel runs as the pushing decode (its own target).
     launches = sum(text.count(f'custom_call_target="{t}"') for t in (KERNEL_TARGET, PUSH_TARGET))
+    index_launches = text.count(f'custom_call_target="{INDEX_TARGET}"')
     log(
         f"  compiled; PATH RUNNING: {what} on {platform} (implementation={implementation!r}; "
-        f"{launches} kernel call(s) in the compiled step)"
+        f"{launches} decode kernel call(s) in the compiled step); index_topk: "
+        + (f"its kernel ({index_launches} call(s))" if index_launches else "the jnp reference")
     )
     if path == "kernel" and launches == 0:
         raise RuntimeError(f"no {KERNEL_TARGET!r} custom call in the compiled kernel path")
+    if path == "kernel" and index_launches == 0:
+        banner(
+            [
+                f"index_topk(implementation=None) runs its jnp reference on this {platform}: "
+                f"no {INDEX_TARGET!r} custom call in the compiled kernel path",
+                "(the kernel path's indexer and top-k are then the reference's)",
+            ]
+        )
     if path == "kernel" and mesh is not None and args.exchange == "push":
         if f'custom_call_target="{PUSH_TARGET}"' not in text or " all-to-all(" in text:
             raise RuntimeError(f"exchange='push' but no {PUSH_TARGET!r} in the compiled step")
@@ -825,6 +961,9 @@ def run_path(
     out, cache, aux = compiled(weights, cache, x, pos, exchange_step())
     out = jax.block_until_ready(out)
     dcp = 1 if mesh is None else mesh.shape[MESH_AXIS]
+    rank_tokens = np.asarray(aux.tokens).reshape(dcp, *aux.q.shape[:1], cfg.index_topk)
+    ranks_agree = all(np.array_equal(t, rank_tokens[0]) for t in rank_tokens)
+    aux = aux._replace(tokens=jnp.asarray(rank_tokens[0]))
     expected_out, expected_latent = dense_check(cfg, weights, cache, aux, dcp)
     error = relative_error(out, expected_out)
     latent_error = relative_error(aux.latent, expected_latent)
@@ -837,6 +976,8 @@ def run_path(
         f"{'PASS' if error <= TOLERANCE else 'FAIL'}",
         flush=True,
     )
+    selection = Selection.of_step(rank_tokens[0], aux, cache, dcp, int(pos))
+    index_check = check_selection(path, selection, ranks_agree, dcp)
     state = {"cache": cache}
 
     def call() -> jax.Array:
@@ -851,9 +992,49 @@ def run_path(
             f"{seconds(high)}) over {iters} calls, wall clock incl. dispatch",
             flush=True,
         )
-    if platform != "gpu" or args.profile_calls == 0:
-        return error, median, None
-    return error, median, profile_phases(path, compiled.as_text(), call, args.profile_calls)
+    gpu_times = None
+    if platform == "gpu" and args.profile_calls > 0:
+        gpu_times = profile_phases(path, compiled.as_text(), call, args.profile_calls)
+    return PathOutcome(error, index_check, selection, median, gpu_times)
+
+
+def check_selection(
+    path: str, selection: Selection, ranks_agree: bool, dcp: int
+) -> token_agreement.Agreement:
+    """The step's tokens vs the float64 top-k of the same FP8 operands (same order, same tie
+    rule); under DCP every rank must also hold the same tokens. Prints the CHECK line."""
+    log(f"  float64 scores of the {len(selection.visible)} rows for the top-k check ...")
+    exact = [selection.scores(row) for row in range(len(selection.visible))]
+    top_k = selection.tokens.shape[-1]
+    want = np.stack([token_agreement.exact_selection(scores, top_k) for scores, _ in exact])
+    agreement = token_agreement.compare(selection.tokens, want, exact.__getitem__)
+    if not ranks_agree:  # counted as malformed: the step's tokens are not well defined
+        agreement = dataclasses.replace(agreement, malformed_rows=agreement.rows)
+    ranks = f"; identical on all {dcp} ranks: {ranks_agree}" if dcp > 1 else ""
+    print(
+        f"CHECK {path} index_topk: selected tokens vs the float64 top-k of the same FP8 "
+        f"operands: {agreement.summary()}{ranks} -> {'PASS' if agreement.agrees else 'FAIL'}",
+        flush=True,
+    )
+    return agreement
+
+
+def compare_paths(kernel: Selection, reference: Selection) -> token_agreement.Agreement:
+    """The kernel path's tokens vs the reference path's, differences judged on the reference
+    path's operands (float64 scores, FP32 rounding bounds). Prints the CHECK line."""
+    agreement = token_agreement.compare(kernel.tokens, reference.tokens, reference.scores)
+    differing = kernel.operand_differences(reference)
+    operands = (
+        "the same index operands"
+        if differing == 0
+        else f"NOTE {differing} index operand values differ between the paths"
+    )
+    print(
+        f"CHECK index_topk, kernel vs reference path ({operands}): {agreement.summary()} -> "
+        f"{'PASS' if agreement.agrees else 'FAIL'}",
+        flush=True,
+    )
+    return agreement
 
 
 def profile_phases(
@@ -882,9 +1063,10 @@ def profile_phases(
 def print_headline(
     kernel: dict[str, phase_times.PhaseTimes], reference: dict[str, phase_times.PhaseTimes]
 ) -> None:
-    """GPU time per step, kernel vs reference, per device: the sparse decode, the collectives
-    (DCP only), the whole step. Medians over the profiled calls."""
-    rows = [("sparse_decode", "sparse_decode"), (phase_times.COLLECTIVES, "collectives")]
+    """GPU time per step, kernel vs reference, per device: the indexer's top-k, the sparse
+    decode, the collectives (DCP only), the whole step. Medians over the profiled calls."""
+    rows = [("index_topk", "index_topk"), ("sparse_decode", "sparse_decode")]
+    rows.append((phase_times.COLLECTIVES, "collectives"))
     for device in sorted(kernel.keys() & reference.keys()):
         k, r = kernel[device], reference[device]
         for phase, label in [*rows, (None, "whole step")]:

@@ -7,10 +7,11 @@ device plane (``/device:GPU:N``) records each kernel and copy on ``Stream #...``
 tags each one with the thunk that launched it (the ``hlo_op`` stat). Outside a CUDA graph that
 is the instruction; inside one (XLA's command buffers, on by default) it is the command
 buffer, and the kernel's own name identifies the instruction instead: XLA names a fusion's
-kernel after it ("<name>", extra kernels "<name>__<n>"), and our custom call names its kernel
-in its attributes. So: device event -> instruction -> op_name -> phase, and the durations are
-summed per phase. Collective instructions are a phase of their own ("collectives"; under DCP their
-time includes waiting for the slowest rank). What cannot be attributed is counted as "other":
+kernel after it ("<name>", extra kernels "<name>__<n>"), and our custom calls name their
+kernels in their attributes (decode: kernel_name; index_topk: scores_kernel, topk_kernel).
+So: device event -> instruction -> op_name -> phase, and the durations are summed per phase.
+Collective instructions are a phase of their own ("collectives"; under DCP their time includes
+waiting for the slowest rank). What cannot be attributed is counted as "other":
 the phases always sum to the device's total kernel time, never less.
 
 As benchmarks/gpu_profile.py: the host waits for each call and pauses between calls, so the
@@ -63,8 +64,9 @@ _INSTRUCTION = re.compile(r"^\s+(?:ROOT\s+)?%?(?P<name>[^\s=]+)\s+=\s+(?P<rest>.
 _OPCODE = re.compile(r"(?:^|\s)(?P<opcode>[a-z][a-z0-9\-]*)\(")
 _OP_NAME = re.compile(r'metadata=\{[^}]*?op_name="(?P<op_name>(?:[^"\\]|\\.)*)"')
 _CALLS = re.compile(r"calls=(?P<calls>\{[^}]*\}|%?[\w.\-]+)")
-# A custom call that names the kernel it launches (ours: the cubin's entry, kernel_name).
-_KERNEL_NAME = re.compile(r'kernel_name\s*=\s*"(?P<kernel>[^"]+)"')
+# A custom call attribute that names a kernel it launches (ours: the cubin's entry, as
+# kernel_name, or <stage>_kernel for a custom call of several kernels).
+_KERNEL_NAME = re.compile(r'\b(?:\w+_)?kernel(?:_name)?\s*=\s*"(?P<kernel>[^"]+)"')
 # Extra kernels of one instruction: XLA names them "<name>__<n>" (e.g. a multi-pass sort).
 _KERNEL_PART = re.compile(r"__\d+$")
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[^\s(]+)\s.*\{\s*$")
@@ -77,7 +79,7 @@ class Instruction:
     op_name: str  # "" when the instruction has no metadata op_name
     calls: tuple[str, ...]  # computations it calls (fusion body, async wrapped computation)
     operands: tuple[str, ...]
-    kernel: str = ""  # the kernel a custom call launches, where its attributes name it
+    kernels: tuple[str, ...] = ()  # the kernels a custom call launches, as its attributes say
 
 
 @dataclasses.dataclass
@@ -107,7 +109,7 @@ def parse_hlo(hlo_text: str) -> tuple[str, dict[str, list[Instruction]]]:
             opcode = _OPCODE.search(rest)
             op_name = _OP_NAME.search(rest)
             calls = _CALLS.search(rest)
-            kernel = _KERNEL_NAME.search(rest)
+            kernels = tuple(found["kernel"] for found in _KERNEL_NAME.finditer(rest))
             called = ()
             if calls:
                 called = tuple(c.strip().lstrip("%") for c in calls["calls"].strip("{}").split(","))
@@ -118,7 +120,7 @@ def parse_hlo(hlo_text: str) -> tuple[str, dict[str, list[Instruction]]]:
                     op_name["op_name"] if op_name else "",
                     called,
                     _operands(rest, opcode.end()) if opcode else (),
-                    kernel["kernel"] if kernel else "",
+                    kernels,
                 )
             )
             continue
@@ -205,7 +207,10 @@ def instruction_phases(hlo_text: str, phases: Sequence[str]) -> InstructionPhase
     inferred = {name for name in inferred if final[name] != OTHER}
     by_kernel_name = {sanitize(name): name for name in final}
     by_kernel_name.update(
-        (inst.kernel, inst.name) for insts in computations.values() for inst in insts if inst.kernel
+        (kernel, inst.name)
+        for insts in computations.values()
+        for inst in insts
+        for kernel in inst.kernels
     )
     return InstructionPhases(module, final, opcode, inferred, by_kernel_name)
 

@@ -1,7 +1,8 @@
-"""Compile the sparse decode cubins ahead of time into a folder (no GPU needed).
+"""Compile the kernels' cubins ahead of time into a folder (no GPU needed).
 
-    python -m jax_sparse_mla.aot --out DIR                 # every config
+    python -m jax_sparse_mla.aot --out DIR                 # every decode config + the indexer's
     python -m jax_sparse_mla.aot --out DIR --variant cluster-mma
+    python -m jax_sparse_mla.aot --out DIR --variant index  # the indexer's two kernels only
 
 A cubin serves every batch size, head count, top-k width and cache size, so one per config
 (variant and cluster split) is all a machine needs. The wheel build runs this command and
@@ -16,6 +17,7 @@ import sys
 import time
 
 from jax_sparse_mla.kernel.config import ALL_CONFIGS, ARCH, VARIANTS
+from jax_sparse_mla.kernel.index.config import INDEX_KERNELS, IndexKernel
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,19 +31,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--variant",
         action="append",
-        choices=VARIANTS,
-        help="kernel variant (repeatable; default: all)",
+        choices=[*VARIANTS, "index"],
+        help="decode kernel variant, or 'index' (repeatable; default: all)",
     )
     args = parser.parse_args(argv)
-    variants = set(args.variant or VARIANTS)
+    variants = set(args.variant or [*VARIANTS, "index"])
     configs = [config for config in ALL_CONFIGS if config.variant in variants]
+    if "index" in variants:
+        configs += INDEX_KERNELS
 
     from jax_sparse_mla.kernel.compile import get_kernel
+    from jax_sparse_mla.kernel.index.compile import get_kernel as get_index_kernel
 
     for i, config in enumerate(configs, 1):
         start = time.perf_counter()
         print(f"[{i}/{len(configs)}] {config.slug}: compiling ...", end="", flush=True)
-        kernel = get_kernel(config, cache_dir=args.out)
+        compile_one = get_index_kernel if isinstance(config, IndexKernel) else get_kernel
+        kernel = compile_one(config, cache_dir=args.out)
         seconds = time.perf_counter() - start
         print(f" {len(kernel.cubin)} bytes, {kernel.meta['kernel_name'][:40]}... ({seconds:.1f} s)")
     print(f"wrote {len(configs)} cubin(s) to {args.out}")

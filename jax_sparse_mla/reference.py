@@ -26,7 +26,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jax_sparse_mla import validation
+from jax_sparse_mla import index_validation, validation
 
 LOG2_P_SCALE = math.log2(448.0)  # P is quantized at 448 (the E4M3 maximum) of the row max
 HIGHEST = jax.lax.Precision.HIGHEST  # FP32 products on GPUs too (no TF32)
@@ -80,3 +80,101 @@ def decode(q, kv, rows, valid, *, softmax_scale, q_scale=1.0, kv_scale=1.0, impl
     kv_scale = validation.check_scale("kv_scale", kv_scale)
     scales = validation.kernel_scales(softmax_scale, q_scale, kv_scale)
     return decode_flat(jnp.asarray(q), validation.flat_cache(jnp.asarray(kv)), rows, valid, scales)
+
+
+# ---- the DSA indexer's scores and top-k ----------------------------------------------------
+
+INDEX_DIM = index_validation.INDEX_DIM  # bytes of an index query head or key (FP8 E4M3)
+INT32_MIN = -(2**31)
+
+
+def order_key(scores):
+    """int32 keys whose signed order is the selection's order of float32 ``scores``: higher
+    score, higher key; -0.0 equals +0.0; NaN below every number (even -inf)."""
+    bits = jax.lax.bitcast_convert_type(scores + jnp.float32(0.0), jnp.int32)  # -0.0 -> +0.0
+    key = jnp.where(bits < 0, bits ^ jnp.int32(0x7FFFFFFF), bits)
+    return jnp.where(jnp.isnan(scores), jnp.int32(INT32_MIN + 1), key)
+
+
+def select_topk(scores, live, top_k: int):
+    """The exact top-k of each row: scores [..., C] float32, live [..., C] bool (the row's
+    candidates) -> (tokens [..., top_k] int32, their scores [..., top_k] float32).
+
+    Order: the higher score first, ties to the smaller position (``order_key``); at most
+    ``top_k`` of the live positions, returned in ascending position order, then -1 (score
+    -inf) where a row has fewer live positions than top_k.
+    """
+    width = scores.shape[-1]
+    key = jnp.where(live, order_key(scores), jnp.int32(INT32_MIN))
+    if width < top_k:
+        pad = [(0, 0)] * (key.ndim - 1) + [(0, top_k - width)]
+        key = jnp.pad(key, pad, constant_values=INT32_MIN)
+    # lax.top_k puts the lower index first among equal keys: exactly the tie rule.
+    _, positions = jax.lax.top_k(key, top_k)
+    taken = jnp.take_along_axis(key, positions, axis=-1) != INT32_MIN
+    tokens = jnp.sort(jnp.where(taken, positions, jnp.iinfo(jnp.int32).max), axis=-1)
+    tokens = jnp.where(tokens == jnp.iinfo(jnp.int32).max, -1, tokens)
+    picked = jnp.take_along_axis(scores, jnp.clip(tokens, 0, width - 1), axis=-1)
+    return tokens.astype(jnp.int32), jnp.where(tokens >= 0, picked, -jnp.inf)
+
+
+def index_scores_flat(q, weights, keys, key_scales, block_table, limits):
+    """The indexer's scores on normalized operands (no argument checks).
+
+    q [B, T, H, 128] float8_e4m3fn, weights [B, T, H] float32, keys [num_blocks, block_size,
+    128] float8_e4m3fn, key_scales [num_blocks, block_size] float32, block_table [B,
+    max_blocks] int32, limits [B, T] int32 (row (b, t) scores positions [0, limits[b, t]))
+    -> (scores [B, T, C] float32, live [B, T, C] bool), C = max_blocks * block_size.
+
+    score[b, t, n] = key_scales[n] * sum_h weights[b, t, h] * relu(q[b, t, h] . keys[n]) with
+    n the cache row of position n (block_table[b, n // block_size], n % block_size); dot
+    products of the FP8 values in FP32. Positions whose block is outside [0, num_blocks) are
+    not live (never read).
+    """
+    num_blocks, block_size = keys.shape[0], keys.shape[1]
+    batch = limits.shape[0]
+    width = block_table.shape[1] * block_size
+    in_cache = (block_table >= 0) & (block_table < num_blocks)  # [B, max_blocks]
+    safe_table = jnp.where(in_cache, block_table, 0)
+    row_keys = keys[safe_table].reshape(batch, width, INDEX_DIM).astype(jnp.float32)
+    row_scales = key_scales[safe_table].reshape(batch, width)
+    dots = jnp.einsum("bthd,bnd->bthn", q.astype(jnp.float32), row_keys, precision=HIGHEST)
+    head_sum = jnp.einsum("bth,bthn->btn", weights, jnp.maximum(dots, 0.0), precision=HIGHEST)
+    scores = head_sum * row_scales[:, None, :]
+    position = jnp.arange(width, dtype=jnp.int32)
+    readable = jnp.repeat(in_cache, block_size, axis=1)  # [B, C]
+    live = (position[None, None, :] < limits[..., None]) & readable[:, None, :]
+    return scores, live
+
+
+def index_topk_flat(q, weights, keys, key_scales, block_table, limits, top_k: int):
+    """Scores (``index_scores_flat``) and their exact top-k (``select_topk``) on normalized
+    operands -> (tokens [B, T, top_k] int32 ascending then -1, scores [B, T, top_k] f32)."""
+    scores, live = index_scores_flat(q, weights, keys, key_scales, block_table, limits)
+    return select_topk(scores, live, top_k)
+
+
+def index_topk(
+    q_index,
+    weights,
+    index_keys,
+    index_scales,
+    lengths,
+    *,
+    top_k=2048,
+    block_table=None,
+    implementation=None,
+):
+    """The reference indexer top-k, same signature and semantics as
+    ``jax_sparse_mla.index_topk``: tokens [B, T, top_k] int32.
+
+    ``implementation`` is accepted for signature parity and must be None or "reference".
+    """
+    if implementation not in (None, "reference"):
+        raise ValueError(f"reference.index_topk runs the reference only; got {implementation=!r}")
+    top_k = index_validation.check_top_k(top_k)
+    _, operands = index_validation.index_operands(
+        q_index, weights, index_keys, index_scales, lengths, block_table
+    )
+    tokens, _ = index_topk_flat(*operands, top_k)
+    return tokens

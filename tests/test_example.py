@@ -1,6 +1,7 @@
 """examples/kimi_decode_step.py end to end on CPU, smallest preset: the layer output matches a
 dense float32 attention over the same selected keys, on one device and under DCP."""
 
+import dataclasses
 import importlib.util
 import sys
 from pathlib import Path
@@ -39,6 +40,12 @@ def test_small_layer_passes_dense_check(example, capsys, dcp):
     assert "keys attended per row: [61, 62, 63, 64, 64]" in out
     for error in result["rel_error"].values():
         assert 0.0 < error <= example.TOLERANCE, out
+    # index_topk (dcp_index_topk under DCP) selects the float64 top-k of its FP8 operands.
+    for path, agreement in result["index_check"].items():
+        assert agreement.agrees and agreement.rows == 5, (path, out)
+        assert f"CHECK {path} index_topk: " in out
+    if dcp > 1:
+        assert f"identical on all {dcp} ranks: True" in out
 
 
 def test_help_documents_every_flag(example, capsys):
@@ -53,6 +60,7 @@ def test_help_documents_every_flag(example, capsys):
     assert "wall clock incl. dispatch" in text
     assert "phase  us/step  share  median us  events" in text
     assert "GPU TIME sparse_decode" in text and "GPU TIME whole step" in text
+    assert "GPU TIME index_topk" in text and "CHECK index_topk, kernel vs reference" in text
     for phase in example.PHASES:
         assert phase in text
     for name in example.SIZE_FLAGS:
@@ -68,6 +76,96 @@ def test_cpu_run_says_gpu_phase_times_need_a_gpu(example, capsys):
     assert "GPU time per phase needs a GPU (this run: cpu)" in out
     assert "wall clock incl. dispatch" in out
     assert "kernel vs reference" not in out  # no ratio of dispatch-bound wall clocks
+
+
+# ---------------------------------------------------------------------------------------------
+# The indexer's FP8 operands and the top-k check (examples/token_agreement.py)
+# ---------------------------------------------------------------------------------------------
+
+E4M3_ROUNDING = 2.0**-4  # relative half ulp of a normal E4M3 value (3 mantissa bits)
+
+
+def test_index_keys_are_fp8_with_one_scale_per_token(example):
+    """build_cache quantizes each index key with its own amax / 448: every key reaches 448,
+    the dequantized keys are the float32 keys within E4M3 rounding, empty rows are zero."""
+    weights = example.init_weights(example.SMALL, seed=0)
+    key = jax.random.key(1)
+    cache = example.build_cache(weights, 60, 80, 1, key)
+    _, exact = example.context_entries(weights, key, jax.numpy.int32(0), 60)
+    exact = np.asarray(exact, np.float64)
+    keys = np.asarray(cache.index_keys, np.float64)
+    scales = np.asarray(cache.index_scales, np.float64)
+    assert keys.shape == (80, 128) and scales.shape == (80,)
+    np.testing.assert_array_equal(np.max(np.abs(keys[:60]), axis=1), example.FP8_MAX)
+    np.testing.assert_allclose(scales[:60], np.max(np.abs(exact), axis=1) / 448, rtol=1e-6)
+    error = np.abs(keys[:60] * scales[:60, None] - exact)
+    assert np.all(error <= E4M3_ROUNDING * np.abs(exact) + 2.0**-9 * scales[:60, None])
+    assert not np.any(keys[60:]) and not np.any(scales[60:])
+
+
+def test_index_query_folds_its_scales_into_the_weights(example):
+    """One E4M3 scale per (row, head), amax / 448, folded into the head weights with
+    heads^-0.5 * 128^-0.5: weights / (W_w x * that constant) is the query's scale."""
+    cfg = example.SMALL
+    w = example.init_weights(cfg, seed=0)
+    x = jax.numpy.asarray(np.random.default_rng(0).standard_normal((5, cfg.hidden)))
+    positions = jax.numpy.arange(60, 65, dtype=jax.numpy.int32)
+    _, q_a = example.absorbed_query(w, x, positions)
+    q8, weights = example.index_query(w, x, q_a, positions)
+    assert q8.dtype == jax.numpy.float8_e4m3fn and q8.shape == (5, cfg.index_heads, 128)
+    q = example.rope_head(example.dot(q_a, w["wi_q"], "rq,qhk->rhk"), positions[:, None])
+    q = np.asarray(q, np.float64)
+    head_weights = example.dot(x, w["wi_w"], "rd,dh->rh") * (cfg.index_heads * 128) ** -0.5
+    q_scale = np.asarray(weights, np.float64) / np.asarray(head_weights, np.float64)
+    np.testing.assert_allclose(q_scale, np.max(np.abs(q), axis=-1) / 448, rtol=1e-6)
+    error = np.abs(np.asarray(q8, np.float64) * q_scale[..., None] - q)
+    assert np.all(error <= E4M3_ROUNDING * np.abs(q) + 2.0**-9 * q_scale[..., None])
+
+
+def fp8_values(rng, shape):
+    return np.asarray(jax.numpy.asarray(rng.standard_normal(shape), "float8_e4m3fn"), np.float32)
+
+
+def test_token_agreement_allows_only_fp32_ties_at_the_kth_score(example, capsys):
+    """A token swapped with the k-th one whose score it matches within FP32 rounding is a
+    tie; a swap far from the k-th score, an unsorted row or a missing token is not."""
+    agreement, top_k, visible = example.token_agreement, 8, 40
+    rng = np.random.default_rng(0)
+    q, keys = fp8_values(rng, (4, 128)), fp8_values(rng, (visible, 128))
+    weights = rng.standard_normal(4).astype(np.float32)
+    scales = rng.uniform(0.5, 1.0, visible).astype(np.float32)
+    scores, _ = agreement.row_scores(q, weights, keys, scales)
+    kth = np.argsort(-scores, kind="stable")[top_k - 1]
+    twin = int(np.argsort(-scores, kind="stable")[-1])  # becomes the k-th's near twin
+    keys[twin] = keys[kth]
+    scales[twin] = np.nextafter(scales[kth], np.float32(2), dtype=np.float32)  # +1 ulp
+    scores, bounds = agreement.row_scores(q, weights, keys, scales)
+    assert scores[twin] > scores[kth] and scores[twin] - scores[kth] < bounds[twin]
+    want = agreement.exact_selection(scores, top_k)
+    assert twin in want and kth not in want
+    row = lambda r: (scores, bounds)  # noqa: E731
+    tie = np.sort(np.where(want == twin, kth, want))
+    result = agreement.compare(tie[None], want[None], row)
+    assert result.agrees and (result.differing, result.unexplained) == (2, 0)
+
+    best, worst = int(np.argmax(scores)), int(np.argmin(scores))
+    far = np.sort(np.where(want == best, worst, want))
+    result = agreement.compare(far[None], want[None], row)
+    assert not result.agrees and (result.differing, result.unexplained) == (2, 2)
+    result = agreement.compare(want[::-1][None], want[None], row)
+    assert not result.agrees and result.malformed_rows == 1
+    short = np.where(want == best, -1, want)
+    short = np.concatenate([short[short >= 0], [-1]])
+    result = agreement.compare(short[None], want[None], row)
+    assert not result.agrees and result.count_mismatch_rows == 1
+
+    # The example's kernel-vs-reference check reports the tie as a PASS.
+    selection = example.Selection(want[None], q[None], weights[None], keys, scales, (visible,))
+    swapped = dataclasses.replace(selection, tokens=tie[None])
+    assert example.compare_paths(swapped, selection).agrees
+    out = capsys.readouterr().out
+    assert "kernel vs reference path (the same index operands): 2 differing tokens" in out
+    assert out.rstrip().endswith("-> PASS")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -88,8 +186,7 @@ def compiled_small_step(example, dcp):
     weights = example.place(weights, mesh, specs)
     capacity = 80 * dcp
     cache = example.build_cache(weights, 60, capacity, dcp, jax.random.key(1))
-    cache_specs = example.Cache(example.P(example.MESH_AXIS, None), *[example.P()] * 3)
-    cache = example.place(cache, mesh, cache_specs)
+    cache = example.place(cache, mesh, example.CACHE_SPECS)
     x = jax.numpy.ones((5, cfg.hidden), jax.numpy.bfloat16)
     x, pos = example.place((x, jax.numpy.int32(60)), mesh, (example.P(), example.P()))
     step = example.make_step(cfg, mesh, "reference", "collectives")
@@ -128,8 +225,9 @@ def test_every_phase_scope_reaches_the_compiled_hlo(example, dcp):
         assert phase_times.COLLECTIVES not in present
     else:  # dcp_decode's all-gather and all-to-all, the output projection's psum
         assert {"all-gather", "all-to-all", "all-reduce"} <= collectives
+    # The reference index_topk selects with lax.top_k (on every rank under DCP).
     top_k = [inst.name for inst in computations[entry] if inst.op_name.endswith("/top_k")]
-    assert top_k and {ops.phase[name] for name in top_k} == {"topk"}
+    assert top_k and {ops.phase[name] for name in top_k} == {"index_topk"}
 
 
 # A GPU-style compiled module: fusions (one without metadata whose fused ops are all in one
@@ -140,12 +238,12 @@ HloModule jit_step, entry_computation_layout={(f32[4]{0})->(f32[8]{0}, f32[4]{0}
 
 %fused_scores (param_0: f32[4]) -> f32[4] {
   %param_0 = f32[4]{0} parameter(0)
-  ROOT %multiply.1 = f32[4]{0} multiply(%param_0, %param_0), metadata={op_name="jit(step)/indexer_scores/mul"}
+  ROOT %multiply.1 = f32[4]{0} multiply(%param_0, %param_0), metadata={op_name="jit(step)/index_query/mul"}
 }
 
 %fused_select (param_0.1: f32[4]) -> f32[4] {
   %param_0.1 = f32[4]{0} parameter(0)
-  ROOT %add.2 = f32[4]{0} add(%param_0.1, %param_0.1), metadata={op_name="jit(step)/topk/add" source_line=3}
+  ROOT %add.2 = f32[4]{0} add(%param_0.1, %param_0.1), metadata={op_name="jit(step)/index_topk/add" source_line=3}
 }
 
 %async_computation (param_0.2: f32[4]) -> f32[8] {
@@ -155,7 +253,7 @@ HloModule jit_step, entry_computation_layout={(f32[4]{0})->(f32[8]{0}, f32[4]{0}
 
 ENTRY %main.9 (p0: f32[4]) -> (f32[8], f32[4]) {
   %p0 = f32[4]{0} parameter(0)
-  %loop_multiply_fusion = f32[4]{0} fusion(%p0), kind=kLoop, calls=%fused_scores, metadata={op_name="jit(step)/indexer_scores/mul"}
+  %loop_multiply_fusion = f32[4]{0} fusion(%p0), kind=kLoop, calls=%fused_scores, metadata={op_name="jit(step)/index_query/mul"}
   %input_add_fusion.3 = f32[4]{0} fusion(%loop_multiply_fusion), kind=kLoop, calls=%fused_select
   %copy.4 = f32[4]{0} copy(%input_add_fusion.3)
   %custom-call.5 = (f32[4]{0}, s8[32]{0}) custom-call(%copy.4, %p0), custom_call_target="__cublas$gemm", backend_config={"gemm_backend_config":{"alpha_real":1}}, metadata={op_type="dot_general" op_name="jit(step)/output_projection/rhv,hvd->rd/dot_general" source_file="kimi.py" source_line=12}
@@ -174,9 +272,9 @@ def test_instruction_phases_of_a_gpu_style_module(example):
     ops = phase_times.instruction_phases(GPU_STYLE_HLO, example.PHASES)
     assert ops.module == "jit_step"
     expected = {
-        "loop_multiply_fusion": "indexer_scores",  # its own metadata
-        "input_add_fusion.3": "topk",  # no metadata: its fused ops agree
-        "copy.4": "topk",  # no metadata, no fused ops: its operand
+        "loop_multiply_fusion": "index_query",  # its own metadata
+        "input_add_fusion.3": "index_topk",  # no metadata: its fused ops agree
+        "copy.4": "index_topk",  # no metadata, no fused ops: its operand
         "custom-call.5": "output_projection",
         "all-gather-start": "collectives",  # a collective, whatever scope it sits in
         "all-gather-done": "collectives",
@@ -193,8 +291,9 @@ def test_instruction_phases_of_a_gpu_style_module(example):
 
 def test_command_buffer_kernels_are_attributed_by_kernel_name(example):
     """In a CUDA graph (XLA's command buffers) every kernel's hlo_op stat names the command
-    buffer, not the instruction. Our custom call's kernel (named in its attributes) and the
-    extra kernels of one instruction ("<name>__<n>", e.g. a sort's passes) are still placed."""
+    buffer, not the instruction. Our custom calls' kernels (named in their attributes: one
+    kernel_name, or one <stage>_kernel per kernel) and the extra kernels of one instruction
+    ("<name>__<n>", e.g. a sort's passes) are still placed."""
     phase_times = example.phase_times
     decode = (
         '  %decode.8 = (bf16[5]{0}, f32[5]{0}) custom-call(%p0), custom_call_target="jax_'
@@ -202,12 +301,23 @@ def test_command_buffer_kernels_are_attributed_by_kernel_name(example):
         '16 : i64, kernel_name = "kernel_cutlass_SparseDecode_0", smem_bytes = 8 : i64}, '
         'metadata={op_name="jit(step)/sparse_decode/sparse_mla_decode"}\n'
     )
-    hlo = GPU_STYLE_HLO.replace("  ROOT %tuple.7", decode + "  ROOT %tuple.7")
+    index = (
+        '  %index.9 = (s32[5]{0}, f32[5]{0}) custom-call(%p0), custom_call_target="jax_sparse_'
+        'mla_index_topk", api_version=API_VERSION_TYPED_FFI, backend_config={scores_cubin = '
+        'dense<"0x00"> : tensor<1xui8>, scores_kernel = "kernel_cutlass_IndexScores_0", span = '
+        '4 : i64, topk_kernel = "kernel_cutlass_IndexTopk_0"}, metadata={op_name="jit(step)/'
+        'index_topk/jax_sparse_mla_index_topk"}\n'
+    )
+    hlo = GPU_STYLE_HLO.replace("  ROOT %tuple.7", decode + index + "  ROOT %tuple.7")
     ops = phase_times.instruction_phases(hlo, example.PHASES)
     assert ops.by_kernel_name["kernel_cutlass_SparseDecode_0"] == "decode.8"
+    assert ops.by_kernel_name["kernel_cutlass_IndexScores_0"] == "index.9"
+    assert ops.by_kernel_name["kernel_cutlass_IndexTopk_0"] == "index.9"
     buffer = ("command_buffer_1", "jit_step")
     events = [
         phase_times.Event(0, 5e3, "kernel_cutlass_SparseDecode_0", *buffer),
+        phase_times.Event(8e3, 9e3, "kernel_cutlass_IndexScores_0", *buffer),
+        phase_times.Event(9e3, 10e3, "kernel_cutlass_IndexTopk_0", *buffer),
         phase_times.Event(5e3, 6e3, "input_add_fusion_3__2", *buffer),
         phase_times.Event(6e3, 7e3, "input_add_fusion_3", *buffer),
         phase_times.Event(7e3, 8e3, "unknown_kernel__2", *buffer),
@@ -216,8 +326,10 @@ def test_command_buffer_kernels_are_attributed_by_kernel_name(example):
     placed = [(phase, how) for _, phase, how, _ in phase_times.attribute(trace, ops)]
     assert placed == [
         ("sparse_decode", "kernel name"),
-        ("topk", "kernel name"),
-        ("topk", "kernel name"),
+        ("index_topk", "kernel name"),
+        ("index_topk", "kernel name"),
+        ("index_topk", "kernel name"),
+        ("index_topk", "kernel name"),
         ("other", "unattributed"),
     ]
 
@@ -300,9 +412,9 @@ def test_gpu_trace_is_attributed_per_phase_and_sums_to_the_total(example, tmp_pa
     assert len(trace.events) == 14 and len(trace.xla_ops) == 2  # the overhead line is not read
     times = phase_times.phase_times(trace, ops, example.PHASES, calls=2)
     per_call_us = {
-        "indexer_scores": 10,
+        "index_query": 10,
         "output_projection": 20,
-        "topk": 3 + 4,
+        "index_topk": 3 + 4,
         "collectives": 6,
         "other": 1 + 2,  # the unknown kernel and the other module's
     }

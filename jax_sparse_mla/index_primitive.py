@@ -1,0 +1,102 @@
+"""The indexer's top-k as a JAX primitive: shape rules, the portable lowering, no
+differentiation.
+
+Operands are normalized by ``indexer.index_topk`` (and ``dcp_indexer``): q [B, T, Hp, 128]
+float8_e4m3fn with Hp a multiple of ``HEAD_TILE`` (zero heads appended), weights [B, T, Hp]
+float32 (zero weights for the appended heads), keys [num_blocks, block_size, 128]
+float8_e4m3fn, key_scales [num_blocks, block_size] float32, block_table [B, max_blocks] int32
+(a flat cache is one block: [1, N, 128] with a zero table), limits [B, T] int32 in [0, C],
+C = max_blocks * block_size: row (b, t) scores positions [0, limits[b, t]).
+
+Results: tokens [B, T, top_k] int32 (the selected positions in ascending order, then -1) and
+their scores [B, T, top_k] float32 (-inf at the -1 slots). Parameters: ``top_k`` and
+``require_kernel`` (no fallback to the reference). The CUDA lowering to the kernel lives in
+``index_lowering``; every other platform lowers to ``reference.index_topk_flat``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax.numpy as jnp
+from jax._src import dispatch
+from jax.core import ShapedArray
+from jax.extend import core
+from jax.interpreters import ad, batching, mlir
+
+from jax_sparse_mla import reference
+
+HEAD_TILE = 64  # the kernel's MMA takes index heads 64 at a time
+log = logging.getLogger("jax_sparse_mla")
+
+index_topk_p = core.Primitive("jax_sparse_mla_index_topk")
+index_topk_p.multiple_results = True
+index_topk_p.def_impl(functools.partial(dispatch.apply_primitive, index_topk_p))
+
+
+def _abstract_eval(q, weights, keys, key_scales, block_table, limits, *, top_k, **params):
+    del params
+    batch, steps, heads, dim = q.shape
+    assert heads % HEAD_TILE == 0 and dim == reference.INDEX_DIM, q.shape
+    assert weights.shape == (batch, steps, heads), weights.shape
+    assert keys.ndim == 3 and key_scales.shape == keys.shape[:2], (keys.shape, key_scales.shape)
+    assert block_table.shape[0] == batch and limits.shape == (batch, steps)
+    return (
+        ShapedArray((batch, steps, top_k), jnp.int32),
+        ShapedArray((batch, steps, top_k), jnp.float32),
+    )
+
+
+index_topk_p.def_abstract_eval(_abstract_eval)
+
+
+def _reference_rule(q, weights, keys, key_scales, block_table, limits, *, top_k, **params):
+    del params
+    return reference.index_topk_flat(q, weights, keys, key_scales, block_table, limits, top_k)
+
+
+reference_lowering = mlir.lower_fun(_reference_rule, multiple_results=True)
+"""Lowers the primitive to the reference (any platform)."""
+
+
+@functools.cache
+def _note_reference(platform: str) -> None:
+    log.info(
+        "jax_sparse_mla.index_topk: the kernel needs a Hopper GPU; using the reference on %s",
+        platform,
+    )
+
+
+def _portable_lowering(ctx, *args, require_kernel, **params):
+    platform = ctx.module_context.platforms[0] if ctx.module_context.platforms else "?"
+    if require_kernel:
+        raise NotImplementedError(
+            f"index_topk(implementation='cute') needs a Hopper (sm_90) CUDA GPU; lowering for "
+            f"{platform!r}. Use implementation=None to fall back to the reference."
+        )
+    _note_reference(platform)
+    return reference_lowering(ctx, *args, require_kernel=require_kernel, **params)
+
+
+mlir.register_lowering(index_topk_p, _portable_lowering)
+
+
+def _no_differentiation(primals, tangents, **params):
+    raise NotImplementedError(
+        "jax_sparse_mla.index_topk selects integer positions: it has no gradient (inference "
+        "only). Wrap its inputs in jax.lax.stop_gradient inside a differentiated function."
+    )
+
+
+ad.primitive_jvps[index_topk_p] = _no_differentiation
+
+
+def _no_vmap(args, dims, **params):
+    raise NotImplementedError(
+        "jax_sparse_mla.index_topk has no vmap rule: fold the mapped axis into B (requests "
+        "are independent) and call it once."
+    )
+
+
+batching.primitive_batchers[index_topk_p] = _no_vmap

@@ -1,0 +1,149 @@
+"""The indexer's cubins: shipped in the wheel, cached on disk, or compiled by the DSL.
+
+Looked up like the decode's (``kernel/compile.py``): this process, the installed package's
+``_cubins``, the disk cache, then a compile with nvidia-cutlass-dsl for sm_90a (no GPU
+needed). Entries are ``index-<stage>-<fingerprint>-<dsl version>.{cubin,json}``; the
+fingerprint hashes this folder's sources and the shared ``kernel/ptx.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import tempfile
+import threading
+
+from jax_sparse_mla.kernel import compile as kernel_compile
+from jax_sparse_mla.kernel.config import KernelUnavailableError
+from jax_sparse_mla.kernel.index.config import ARCH, IndexKernel
+
+_SOURCES = (
+    *sorted(pathlib.Path(__file__).resolve().parent.glob("*.py")),
+    pathlib.Path(kernel_compile.__file__).resolve().parent / "ptx.py",
+)
+_MEMORY: dict[IndexKernel, kernel_compile.CompiledKernel] = {}
+_LOCK = threading.Lock()
+
+
+def source_fingerprint() -> str:
+    """Hash of the sources that shape the indexer's cubins, 16 hex digits."""
+    digest = hashlib.sha256()
+    for path in _SOURCES:
+        digest.update(path.name.encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def get_kernel(
+    kernel: IndexKernel, *, cache_dir: str | os.PathLike | None = None
+) -> kernel_compile.CompiledKernel:
+    """The compiled cubin of ``kernel``: from memory, the shipped cubins, the disk cache
+    (``cache_dir`` or the default) or the DSL. An explicit ``cache_dir`` skips memory and
+    shipped cubins (the ahead-of-time command fills it)."""
+    with _LOCK:
+        if kernel in _MEMORY and cache_dir is None:
+            return _MEMORY[kernel]
+        directory = (
+            pathlib.Path(cache_dir) if cache_dir is not None else kernel_compile.default_cache_dir()
+        )
+        fingerprint, version = source_fingerprint(), kernel_compile.dsl_version()
+        shipped = kernel_compile.shipped_dir() if cache_dir is None else None
+        compiled = _load(shipped, kernel, fingerprint, None) if shipped is not None else None
+        if compiled is None:
+            compiled = _load(directory, kernel, fingerprint, version)
+        if compiled is None:
+            if version is None:
+                raise KernelUnavailableError(
+                    f"no cubin for {kernel.slug} (fingerprint {fingerprint}): none shipped in "
+                    f"the installed package, none cached in {directory}, and "
+                    "nvidia-cutlass-dsl is not installed to compile one. Install a wheel built "
+                    "from these sources, or the 'kernel-dev' extra."
+                )
+            compiled = compile_kernel(kernel, fingerprint, version)
+            _store(directory, kernel, compiled)
+        if cache_dir is None:
+            _MEMORY[kernel] = compiled
+        return compiled
+
+
+def _stem(kernel: IndexKernel, fingerprint: str, version: str) -> str:
+    return f"{kernel.slug}-{fingerprint}-{version}"
+
+
+def _load(directory, kernel, fingerprint, version) -> kernel_compile.CompiledKernel | None:
+    if version is not None:
+        candidates = [directory / f"{_stem(kernel, fingerprint, version)}.json"]
+    else:
+        candidates = sorted(directory.glob(f"{kernel.slug}-{fingerprint}-*.json"))
+    for meta_path in candidates:
+        try:
+            meta = json.loads(meta_path.read_text())
+            cubin = meta_path.with_suffix(".cubin").read_bytes()
+        except (OSError, ValueError):
+            continue
+        if meta.get("index_kernel") == dataclasses.asdict(kernel) and meta.get("params") == list(
+            kernel.params
+        ):
+            return kernel_compile.CompiledKernel(cubin, meta)
+    return None
+
+
+def _store(directory: pathlib.Path, kernel: IndexKernel, compiled) -> None:
+    meta = compiled.meta
+    stem = _stem(kernel, meta["fingerprint"], meta["dsl_version"])
+    directory.mkdir(parents=True, exist_ok=True)
+    for suffix, data in (
+        (".cubin", compiled.cubin),
+        (".json", json.dumps(meta, indent=1).encode()),
+    ):
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{stem}", suffix=suffix)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, directory / f"{stem}{suffix}")
+
+
+def compile_kernel(kernel: IndexKernel, fingerprint: str, version: str):
+    """Compile ``kernel`` to an sm_90a cubin with the DSL (works without a GPU)."""
+    os.environ["CUTE_DSL_ARCH"] = ARCH  # read at the DSL's import: else it targets sm_100a
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+
+    from jax_sparse_mla.kernel.index.scores import IndexScores
+    from jax_sparse_mla.kernel.index.topk import RadixTopk
+
+    gmem = cute.AddressSpace.gmem
+    kinds = {"q": cutlass.Uint8, "keys": cutlass.Uint8, "weights": cutlass.Float32}
+    pointers = [
+        make_ptr(kinds.get(name, cutlass.Int32), 0, gmem, assumed_align=16)
+        for name, kind in zip(kernel.params, kernel.param_types, strict=True)
+        if kind == "u64"
+    ]
+    sizes = [cutlass.Int32(1) for kind in kernel.param_types if kind == "u32"]
+    builder = {"scores": IndexScores, "topk": RadixTopk}[kernel.stage]
+    with tempfile.TemporaryDirectory(prefix="jax_sparse_mla-") as dump:
+        options = f"--gpu-arch {ARCH} --keep-cubin --keep-ptx --dump-dir {dump}"
+        compiled = cute.compile(builder(), *pointers, *sizes, options=options)
+        cubin, ptx = compiled.artifacts.CUBIN, compiled.artifacts.PTX
+        if not cubin or not ptx:  # older DSLs only dump the files
+            cubin = next(pathlib.Path(dump).glob("*.cubin")).read_bytes()
+            ptx = next(pathlib.Path(dump).glob("*.ptx")).read_text()
+    if f".target {ARCH}" not in ptx:
+        raise RuntimeError(f"the DSL compiled for another arch than {ARCH}")
+    name, types = kernel_compile.parse_entry(ptx)
+    if tuple(types) != kernel.param_types:
+        raise RuntimeError(f"kernel {name} has params {types}, the ABI wants {kernel.param_types}")
+    meta = {
+        "kernel_name": name,
+        "threads": kernel.threads,
+        "smem_bytes": kernel.smem_bytes,
+        "params": list(kernel.params),
+        "arch": ARCH,
+        "dsl_version": version,
+        "fingerprint": fingerprint,
+        "index_kernel": dataclasses.asdict(kernel),
+    }
+    return kernel_compile.CompiledKernel(bytes(cubin), meta)

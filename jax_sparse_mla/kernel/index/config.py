@@ -1,0 +1,113 @@
+"""Static configuration of the indexer's kernels (no DSL import): tiles, shared-memory
+layouts and the cubins' parameter ABIs.
+
+A machine without nvidia-cutlass-dsl imports this module to name, cache and launch cubins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+ARCH = "sm_90a"
+DIM = 128  # bytes of an index key or query head (FP8 E4M3): one 128-byte swizzle row
+TOKENS = 64  # key tile: the MMA's M (tokens)
+HEADS = 64  # head tile: the MMA's N (index heads of one verify row)
+K_STEPS = DIM // 32  # wgmma k32 steps per tile
+TILE_BYTES = TOKENS * DIM  # a key tile or a query tile (HEADS == TOKENS rows of DIM bytes)
+assert HEADS == TOKENS
+
+# ---- scores (scores.py) -------------------------------------------------------------------
+SCORE_THREADS = 128  # one warpgroup: loads by cp.async, MMAs, epilogue
+STAGES = 4  # key tiles in flight (cp.async ring)
+MAX_QUERY_TILES = 16  # T * ceil(Hi / HEADS) query tiles staged per CTA
+# Dynamic shared memory: [STAGES] key tiles (swizzled), [STAGES, TOKENS] f32 key scales,
+# [STAGES, TOKENS] i32 live flags, [T * G] query tiles (swizzled), [T, G * HEADS] f32 weights.
+KEYS_OFFSET = 0
+SCALES_OFFSET = KEYS_OFFSET + STAGES * TILE_BYTES
+LIVE_OFFSET = SCALES_OFFSET + STAGES * TOKENS * 4
+QUERY_OFFSET = LIVE_OFFSET + STAGES * TOKENS * 4  # a multiple of 1024 (swizzle atoms)
+assert QUERY_OFFSET % 1024 == 0
+SCORE_SMEM_FIXED = QUERY_OFFSET
+SCORE_SMEM_PER_QUERY_TILE = TILE_BYTES + HEADS * 4
+SCORE_SMEM_MAX = SCORE_SMEM_FIXED + MAX_QUERY_TILES * SCORE_SMEM_PER_QUERY_TILE
+
+# ---- top-k (topk.py) ----------------------------------------------------------------------
+TOPK_THREADS = 1024  # one CTA per verify row
+WARPS = TOPK_THREADS // 32
+BINS = 2048  # radix digits of 11, 11 and 10 bits of the order key
+DIGITS = ((21, 11), (10, 11), (0, 10))  # (shift, bits) of each pass, most significant first
+VECTORS = 4  # 16-byte loads in flight per thread and pass step
+STEP = TOPK_THREADS * VECTORS * 4  # order keys per pass step (16384 < 2**16: scan packing)
+# Static layout: [BINS] u32 histogram, [2, WARPS] u32 scan partials, [4] i32 selection state.
+HIST_OFFSET = 0
+SCAN_OFFSET = HIST_OFFSET + BINS * 4
+STATE_OFFSET = SCAN_OFFSET + 2 * WARPS * 4
+TOPK_SMEM = STATE_OFFSET + 16
+
+# The ABIs: global pointers, then u32 sizes.
+SCORE_PARAMS = (
+    "q",  # [B, T, Hp, DIM] u8 (E4M3), Hp = G * HEADS
+    "weights",  # [B, T, Hp] f32
+    "keys",  # [num_blocks, block_size, DIM] u8 (E4M3)
+    "key_scales",  # [num_blocks, block_size] f32
+    "block_table",  # [B, max_blocks] i32
+    "limits",  # [B, T] i32, each in [0, max_blocks * block_size]
+    "order_keys",  # [B, T, pitch] u32 out: the scores' order keys (0: not a candidate)
+    "steps",  # T
+    "head_tiles",  # G
+    "block_size",
+    "num_blocks",
+    "max_blocks",
+    "pitch",  # ceil(max_blocks * block_size / TOKENS) * TOKENS
+    "span",  # key tiles per CTA
+)
+SCORE_PARAM_TYPES = ("u64",) * 7 + ("u32",) * 7
+TOPK_PARAMS = (
+    "order_keys",  # [B, T, pitch] u32
+    "limits",  # [B, T] i32
+    "tokens",  # [B, T, top_k] i32 out
+    "scores",  # [B, T, top_k] f32 out
+    "steps",  # T
+    "pitch",
+    "top_k",
+)
+TOPK_PARAM_TYPES = ("u64",) * 4 + ("u32",) * 3
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexKernel:
+    """One of the indexer's two cubins: ``stage`` "scores" or "topk"."""
+
+    stage: str
+
+    def __post_init__(self) -> None:
+        if self.stage not in _LAUNCH:
+            raise ValueError(f"IndexKernel.stage must be one of {tuple(_LAUNCH)}, {self.stage=}")
+
+    @property
+    def slug(self) -> str:
+        return f"index-{self.stage}"
+
+    @property
+    def threads(self) -> int:
+        return _LAUNCH[self.stage][0]
+
+    @property
+    def smem_bytes(self) -> int:
+        """The most dynamic shared memory a launch may ask for."""
+        return _LAUNCH[self.stage][1]
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        return _LAUNCH[self.stage][2]
+
+    @property
+    def param_types(self) -> tuple[str, ...]:
+        return _LAUNCH[self.stage][3]
+
+
+_LAUNCH = {
+    "scores": (SCORE_THREADS, SCORE_SMEM_MAX, SCORE_PARAMS, SCORE_PARAM_TYPES),
+    "topk": (TOPK_THREADS, TOPK_SMEM, TOPK_PARAMS, TOPK_PARAM_TYPES),
+}
+INDEX_KERNELS = (IndexKernel("scores"), IndexKernel("topk"))

@@ -1,0 +1,262 @@
+"""The indexer's scores on FP8 warpgroup MMA (sm_90a), in CuTe DSL.
+
+One CTA (one warpgroup) per ``span`` consecutive key tiles of a request b (grid: ceil(tiles /
+span), B). It stages the request's query heads once (T x G tiles of 64 heads x 128 bytes,
+128-byte swizzled, K-major) and its weights, then streams its key tiles (64 tokens x 128
+bytes, gathered through the block table by 16-byte cp.async, zero-filled where the block is
+outside the cache) through a ring of STAGES buffers. Per key tile and verify row t: for each
+head tile, S = K Q^T by four wgmma m64n64k32 E4M3 (tokens as M, heads as N, FP32
+accumulators), then the epilogue sum_h w[t, h] relu(S) in FP32 (16 heads per thread, then
+the quad's four lanes), times the token's key scale. The result leaves as the score's order
+key (``order_key``): the top-k kernel selects on those 32-bit keys, 0 meaning no candidate.
+
+Hopper's FP8 wgmma adds the products of each k32 step with reduced precision before they
+reach the FP32 accumulator (as DeepGEMM's indexer does; 4 steps for 128-byte keys): the
+scores differ from FP32 sums of the products by about 2^-13 of the products' magnitude.
+
+Nothing is read before griddepcontrol.wait (PDL); the top-k kernel's launch is released once
+every CTA has written its keys.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from jax_sparse_mla.kernel import ptx
+from jax_sparse_mla.kernel.index import ptx as index_ptx
+from jax_sparse_mla.kernel.index.config import (
+    DIM,
+    HEADS,
+    K_STEPS,
+    KEYS_OFFSET,
+    LIVE_OFFSET,
+    QUERY_OFFSET,
+    SCALES_OFFSET,
+    SCORE_SMEM_MAX,
+    SCORE_THREADS,
+    STAGES,
+    TILE_BYTES,
+    TOKENS,
+)
+
+PIECES = DIM // 16  # 16-byte pieces of a key or query row
+TILE_PIECES = TOKENS * PIECES
+LOADS = TILE_PIECES // SCORE_THREADS  # pieces of a key tile per thread
+ACC = HEADS // 2  # accumulators per thread (m64n64)
+SWIZZLE_128B = 1
+SIGN = -(2**31)
+
+
+@cute.jit
+def swizzled(row, piece):
+    """Offset of 16-byte piece ``piece`` of row ``row`` in a K-major tile of 128-byte rows
+    with wgmma's 128-byte swizzle (8-row atoms, pieces XOR-ed by the row)."""
+    return row * DIM + ((piece ^ (row % 8)) * 16)
+
+
+@cute.jit
+def order_key(score, live):
+    """The 32-bit key whose unsigned order is the selection's: higher score higher, -0.0 as
+    +0.0, NaN (1) below every number, 0 where ``live`` is 0 (no candidate)."""
+    bits = index_ptx.float_bits(score)
+    bits = ptx.where_i32(bits == SIGN, 0, bits)
+    key = ptx.where_i32(bits < 0, bits ^ -1, bits | SIGN)
+    key = ptx.where_i32((bits & 0x7FFFFFFF) > 0x7F800000, 1, key)
+    return ptx.where_i32(live != 0, key, 0)
+
+
+class IndexScores:
+    """Order keys of every (verify row, token) of B requests (ABI: config.SCORE_PARAMS)."""
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Pointer,
+        mWeights: cute.Pointer,
+        mKeys: cute.Pointer,
+        mKeyScales: cute.Pointer,
+        mTable: cute.Pointer,
+        mLimits: cute.Pointer,
+        mOrder: cute.Pointer,
+        steps: Int32,
+        head_tiles: Int32,
+        block_size: Int32,
+        num_blocks: Int32,
+        max_blocks: Int32,
+        pitch: Int32,
+        span: Int32,
+    ):
+        self.kernel(
+            mQ,
+            mWeights,
+            mKeys,
+            mKeyScales,
+            mTable,
+            mLimits,
+            mOrder,
+            steps,
+            head_tiles,
+            block_size,
+            num_blocks,
+            max_blocks,
+            pitch,
+            span,
+        ).launch(
+            grid=(1, 1, 1),
+            block=(SCORE_THREADS, 1, 1),
+            smem=SCORE_SMEM_MAX,
+            use_pdl=True,
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Pointer,
+        mWeights: cute.Pointer,
+        mKeys: cute.Pointer,
+        mKeyScales: cute.Pointer,
+        mTable: cute.Pointer,
+        mLimits: cute.Pointer,
+        mOrder: cute.Pointer,
+        steps: Int32,
+        head_tiles: Int32,
+        block_size: Int32,
+        num_blocks: Int32,
+        max_blocks: Int32,
+        pitch: Int32,
+        span: Int32,
+    ):
+        smem = cutlass.memory.SmemAllocator()
+        base = smem.allocate(SCORE_SMEM_MAX, 1024).toint()
+        sKeys, sScales, sLive = base + KEYS_OFFSET, base + SCALES_OFFSET, base + LIVE_OFFSET
+        sQuery = base + QUERY_OFFSET
+        heads = head_tiles * HEADS
+        query_tiles = steps * head_tiles
+        sWeights = sQuery + query_tiles * TILE_BYTES
+        tid, _, _ = cute.arch.thread_idx()
+        x, b, _ = cute.arch.block_idx()
+        cute.arch.griddepcontrol_wait()
+
+        limits = mLimits.toint() + Int64(b) * steps * 4
+        longest = Int32(0)
+        for t in cutlass.range(steps, unroll=1):
+            longest = max(longest, ptx.load_global_i32(limits + t * 4))
+        first = x * span
+        count = max(min(span, (longest + TOKENS - 1) // TOKENS - first), 0)
+
+        if count > 0:
+            # The request's query tiles and weights (contiguous in global memory).
+            q_base = mQ.toint() + Int64(b) * query_tiles * TILE_BYTES
+            for i in cutlass.range(tid, query_tiles * TILE_PIECES, SCORE_THREADS, unroll=1):
+                tile, piece = i // TILE_PIECES, i % TILE_PIECES
+                dst = sQuery + tile * TILE_BYTES + swizzled(piece // PIECES, piece % PIECES)
+                index_ptx.cp_async_16(dst, q_base + Int64(i) * 16, 16)
+            w_base = mWeights.toint() + Int64(b) * steps * heads * 4
+            for i in cutlass.range(tid, steps * heads, SCORE_THREADS, unroll=1):
+                index_ptx.cp_async_4(sWeights + i * 4, w_base + Int64(i) * 4, 4)
+            table = mTable.toint() + Int64(b) * max_blocks * 4
+            capacity = max_blocks * block_size
+            for s in cutlass.range_constexpr(STAGES - 1):
+                if s < count:
+                    self.load_tile(
+                        mKeys, mKeyScales, table, capacity, block_size, num_blocks,
+                        first + s, sKeys + s * TILE_BYTES, sScales + s * TOKENS * 4,
+                        sLive + s * TOKENS * 4, tid,
+                    )  # fmt: skip
+                index_ptx.cp_async_commit()
+            out = mOrder.toint() + Int64(b) * steps * pitch * 4
+            for i in cutlass.range(count, unroll=1):
+                index_ptx.cp_async_wait(STAGES - 2)  # tile i (and the queries) landed
+                ptx.fence_proxy_async_shared()  # read by wgmma
+                cute.arch.sync_threads()  # every thread's copies; tile i - 1 consumed
+                ahead = i + STAGES - 1
+                if ahead < count:
+                    stage = ahead % STAGES
+                    self.load_tile(
+                        mKeys, mKeyScales, table, capacity, block_size, num_blocks,
+                        first + ahead, sKeys + stage * TILE_BYTES,
+                        sScales + stage * TOKENS * 4, sLive + stage * TOKENS * 4, tid,
+                    )  # fmt: skip
+                index_ptx.cp_async_commit()
+                stage = i % STAGES
+                self.score_tile(
+                    sKeys + stage * TILE_BYTES, sScales + stage * TOKENS * 4,
+                    sLive + stage * TOKENS * 4, sQuery, sWeights, steps, head_tiles, out,
+                    pitch, (first + i) * TOKENS, tid,
+                )  # fmt: skip
+            index_ptx.cp_async_wait(0)
+        cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def load_tile(
+        self, mKeys, mKeyScales, table, capacity, block_size, num_blocks, tile, sK, sS, sL, tid
+    ):
+        """cp.async of key tile ``tile`` (its rows through the block table, zero-filled where
+        the block is outside the cache) into sK, its key scales into sS and live flags
+        into sL."""
+        for i in cutlass.range_constexpr(LOADS):
+            flat = tid + SCORE_THREADS * i
+            row, piece = flat // PIECES, flat % PIECES
+            src, live = self.key_row(table, capacity, block_size, num_blocks, tile * TOKENS + row)
+            addr = mKeys.toint() + ptx.where_i64(live, src * DIM + piece * 16, 0)
+            index_ptx.cp_async_16(sK + swizzled(row, piece), addr, ptx.where_i32(live, 16, 0))
+        if tid < TOKENS:
+            src, live = self.key_row(table, capacity, block_size, num_blocks, tile * TOKENS + tid)
+            addr = mKeyScales.toint() + ptx.where_i64(live, src * 4, 0)
+            index_ptx.cp_async_4(sS + tid * 4, addr, ptx.where_i32(live, 4, 0))
+            ptx.store_shared_u32(sL + tid * 4, ptx.where_i32(live, 1, 0))
+
+    @cute.jit
+    def key_row(self, table, capacity, block_size, num_blocks, position):
+        """(flat cache row as Int64, live) of a request's token position."""
+        inside = position < capacity
+        block = ptx.load_global_i32_if(inside, table + Int64(position // block_size) * 4)
+        live = inside & (block >= 0) & (block < num_blocks)
+        return Int64(block) * block_size + position % block_size, live
+
+    @cute.jit
+    def score_tile(
+        self, sK, sS, sL, sQuery, sWeights, steps, head_tiles, out, pitch, position, tid
+    ):
+        """Every verify row's order keys of one key tile (tokens ``position`` ..)."""
+        warp, lane = tid // 32, tid % 32
+        quad = lane % 4
+        heads = head_tiles * HEADS
+        totals = cute.make_rmem_tensor((2,), Float32)
+        for t in cutlass.range(steps, unroll=1):
+            totals.fill(0.0)
+            for g in cutlass.range(head_tiles, unroll=1):
+                sQ = sQuery + (t * head_tiles + g) * TILE_BYTES
+                ptx.wgmma_fence()
+                s = [Float32(0.0)] * ACC
+                for k in cutlass.range_constexpr(K_STEPS):
+                    s = index_ptx.wgmma_e4m3_ss(
+                        s,
+                        ptx.smem_descriptor(sK + 32 * k, 16, 8 * DIM, SWIZZLE_128B),
+                        ptx.smem_descriptor(sQ + 32 * k, 16, 8 * DIM, SWIZZLE_128B),
+                        k > 0,
+                    )
+                ptx.wgmma_commit()
+                ptx.wgmma_wait(0)
+                s = ptx.pin_f32(s)
+                # Value v: token 16 warp + lane / 4 + 8 ((v / 2) % 2), head 8 (v / 4) + 2 quad
+                # + v % 2 of this head tile.
+                w_row = sWeights + (t * heads + g * HEADS) * 4
+                for v in cutlass.range_constexpr(ACC):
+                    w = ptx.load_shared_f32(w_row + (8 * (v // 4) + 2 * quad + v % 2) * 4)
+                    r = (v // 2) % 2
+                    # relu that keeps NaN (a NaN query or key poisons the score)
+                    relu = ptx.where(s[v] <= Float32(0.0), 0.0, s[v])
+                    totals[r] = totals[r] + w * relu
+            for r in cutlass.range_constexpr(2):
+                total = totals[r]
+                for shift in cutlass.range_constexpr(2):
+                    total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << shift)
+                if quad == r:
+                    row = 16 * warp + lane // 4 + 8 * r
+                    score = ptx.load_shared_f32(sS + row * 4) * total
+                    key = order_key(score, ptx.load_shared_u32(sL + row * 4))
+                    dst = out + (Int64(t) * pitch + position + row) * 4
+                    ptx.store_global_b32(dst, key)
