@@ -6,6 +6,7 @@
 // them. Attributes (the cubins travel with the executable):
 //   scores_cubin, topk_cubin   u8[]    the two sm_90a cubins
 //   scores_kernel, topk_kernel string  their entry symbols
+//   topk_cluster               i64     the top-k's CTAs per verify row (its cubin's cluster)
 //   span                       i64     key tiles per scores CTA (the lowering's choice)
 // Operands: q [B, T, Hp, 128] f8e4m3fn (Hp a multiple of 64), weights [B, T, Hp] f32, keys
 // [num_blocks, block_size, 128] f8e4m3fn, key_scales [num_blocks, block_size] f32,
@@ -41,8 +42,8 @@ constexpr unsigned int kScoreThreads = 128;
 constexpr int64_t kScoreSmemFixed = 4 * 8192 + 2 * 4 * 64 * 4;
 constexpr int64_t kScoreSmemPerQueryTile = 8192 + 64 * 4;
 constexpr int64_t kMaxQueryTiles = 16;
-constexpr unsigned int kTopkThreads = 1024;
-constexpr unsigned int kTopkSmem = 2048 * 4 + 2 * 32 * 4 + 16;
+constexpr unsigned int kTopkThreads = 512;
+constexpr unsigned int kTopkSmem = 2048 * 4 + 2 * 16 * 4 + 16 + 16;
 constexpr int64_t kMaxGridY = 65535;
 
 struct IndexSpec {
@@ -50,6 +51,7 @@ struct IndexSpec {
   std::string_view scores_kernel;
   ffi::Span<const uint8_t> topk_cubin;
   std::string_view topk_kernel;
+  int64_t topk_cluster;
   int64_t span;
 };
 
@@ -60,6 +62,7 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(IndexSpec,
                                       ffi::StructMember<std::string_view>("scores_kernel"),
                                       ffi::StructMember<ffi::Span<const uint8_t>>("topk_cubin"),
                                       ffi::StructMember<std::string_view>("topk_kernel"),
+                                      ffi::StructMember<int64_t>("topk_cluster"),
                                       ffi::StructMember<int64_t>("span"));
 
 // Both kernels loaded into each CUDA context the executable can run in.
@@ -77,6 +80,7 @@ struct IndexState {
   const cu::Driver* driver = nullptr;
   std::vector<Loaded> loaded;
   int64_t span = 1;
+  unsigned int topk_cluster = 1;
 
   IndexState() = default;
   IndexState(const IndexState&) = delete;
@@ -154,9 +158,10 @@ ffi::ErrorOr<std::unique_ptr<IndexState>> Instantiate(IndexSpec spec) {
   using Failed = ffi::Unexpected<ffi::Error>;
   if (spec.scores_cubin.size() == 0 || spec.topk_cubin.size() == 0 ||
       spec.scores_kernel.empty() || spec.topk_kernel.empty() || spec.span < 1 ||
-      spec.span > INT32_MAX) {
+      spec.span > INT32_MAX || spec.topk_cluster < 1 || spec.topk_cluster > 8) {
     return Failed(ffi::Error::InvalidArgument(
-        "jax_sparse_mla index_topk: empty cubin or kernel name, or span outside [1, 2^31)"));
+        "jax_sparse_mla index_topk: empty cubin or kernel name, span outside [1, 2^31) or "
+        "topk_cluster outside [1, 8]"));
   }
   const cu::LoadedDriver& loaded = cu::GetDriver();
   if (!loaded.error.empty()) {
@@ -166,6 +171,7 @@ ffi::ErrorOr<std::unique_ptr<IndexState>> Instantiate(IndexSpec spec) {
   auto state = std::make_unique<IndexState>();
   state->driver = &loaded.driver;
   state->span = spec.span;
+  state->topk_cluster = static_cast<unsigned int>(spec.topk_cluster);
   const cu::Driver& d = loaded.driver;
   int devices = 0;
   if (ffi::Error error = cu::Check(d, "cuDeviceGetCount", d.DeviceGetCount(&devices));
@@ -216,12 +222,17 @@ ffi::Error Invalid(std::string message) {
   return ffi::Error::InvalidArgument("jax_sparse_mla index_topk: " + std::move(message));
 }
 
+// Launches under PDL, in clusters of `cluster` CTAs along x.
 ffi::Error LaunchPdl(const cu::Driver& d, CUfunction function, cudaStream_t stream,
-                     unsigned int grid_x, unsigned int grid_y, unsigned int threads,
-                     unsigned int smem, void** params) {
-  CUlaunchAttribute attrs[1] = {};
+                     unsigned int grid_x, unsigned int grid_y, unsigned int cluster,
+                     unsigned int threads, unsigned int smem, void** params) {
+  CUlaunchAttribute attrs[2] = {};
   attrs[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
   attrs[0].value.programmaticStreamSerializationAllowed = 1;
+  attrs[1].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
+  attrs[1].value.clusterDim.x = cluster;
+  attrs[1].value.clusterDim.y = 1;
+  attrs[1].value.clusterDim.z = 1;
   CUlaunchConfig config{};
   config.gridDimX = grid_x;
   config.gridDimY = grid_y;
@@ -232,7 +243,7 @@ ffi::Error LaunchPdl(const cu::Driver& d, CUfunction function, cudaStream_t stre
   config.sharedMemBytes = smem;
   config.hStream = stream;
   config.attrs = attrs;
-  config.numAttrs = 1;
+  config.numAttrs = 2;
   return cu::Check(d, "cuLaunchKernelEx", d.LaunchKernelEx(&config, function, params, nullptr));
 }
 
@@ -323,15 +334,17 @@ ffi::Error Execute(cudaStream_t stream, IndexState* state, Fp8Buffer q, WeightsB
   const int64_t grid_x = (tiles + state->span - 1) / state->span;
   const int64_t smem = kScoreSmemFixed + steps * head_tiles * kScoreSmemPerQueryTile;
   if (ffi::Error error = LaunchPdl(d, entry->scores, stream, static_cast<unsigned int>(grid_x),
-                                   static_cast<unsigned int>(batch), kScoreThreads,
+                                   static_cast<unsigned int>(batch), 1, kScoreThreads,
                                    static_cast<unsigned int>(smem), score_params);
       error.failure()) {
     return error;
   }
   void* topk_params[] = {&order_ptr, &limits_ptr, &tokens_ptr, &scores_ptr,
                          &steps_param, &pitch_param, &top_k_param};
-  return LaunchPdl(d, entry->topk, stream, static_cast<unsigned int>(steps),
-                   static_cast<unsigned int>(batch), kTopkThreads, kTopkSmem, topk_params);
+  return LaunchPdl(d, entry->topk, stream,
+                   static_cast<unsigned int>(steps * state->topk_cluster),
+                   static_cast<unsigned int>(batch), state->topk_cluster, kTopkThreads, kTopkSmem,
+                   topk_params);
 }
 
 }  // namespace

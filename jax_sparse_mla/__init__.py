@@ -2,7 +2,8 @@
 context parallelism, backed by a Hopper CuTe DSL kernel and a pure-jnp reference.
 
 Public API: ``decode``, ``dcp_decode``, ``dcp_setup``, ``dcp_check``, ``local_rows``,
-``merge_partials``, ``index_topk``, ``dcp_index_topk``, ``token_rows``, ``reference``.
+``merge_partials``, ``index_topk``, ``dcp_index_topk``, ``token_rows``, ``reference``,
+``export_disabled_checks`` (for ``jax.export``).
 """
 
 from jax_sparse_mla import cuda_lowering as cuda_lowering  # registers the kernel lowering
@@ -10,6 +11,7 @@ from jax_sparse_mla import index_lowering as index_lowering  # and the indexer's
 from jax_sparse_mla import reference
 from jax_sparse_mla.dcp import FILL_ROW, dcp_decode, local_rows
 from jax_sparse_mla.dcp_indexer import dcp_index_topk
+from jax_sparse_mla.export import export_disabled_checks
 from jax_sparse_mla.indexer import index_topk, token_rows
 from jax_sparse_mla.merge import merge_partials
 from jax_sparse_mla.ops import decode
@@ -22,6 +24,7 @@ __all__ = [
     "dcp_index_topk",
     "dcp_setup",
     "decode",
+    "export_disabled_checks",
     "index_topk",
     "local_rows",
     "merge_partials",

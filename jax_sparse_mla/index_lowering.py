@@ -2,8 +2,9 @@
 kernels (scores, then the radix top-k under PDL; ``ffi/index_topk_ffi.cc``).
 
 The custom call carries both cubins as attributes (a lowered, exported or cached executable
-is self-contained) and ``span``, the key tiles per scores CTA, chosen here from the shapes and
-the GPU's SM count. It has a third, scratch result: the scores' order keys [B, T, pitch],
+is self-contained), ``span``, the key tiles per scores CTA, and ``topk_cluster``, the top-k's
+CTAs per verify row (its cubin is compiled for it), chosen here from the shapes and the GPU's
+SM count. It has a third, scratch result: the scores' order keys [B, T, pitch],
 which the primitive does not return.
 
 Where the kernels cannot run (a GPU that is not Hopper, no cubins, no handler library, more
@@ -26,11 +27,21 @@ from jax.interpreters import mlir
 from jax_sparse_mla import cuda_lowering, index_primitive
 from jax_sparse_mla.kernel.config import KernelUnavailableError
 from jax_sparse_mla.kernel.index import compile as index_compile
-from jax_sparse_mla.kernel.index.config import HEADS, MAX_QUERY_TILES, TOKENS, IndexKernel
+from jax_sparse_mla.kernel.index.config import (
+    HEADS,
+    MAX_QUERY_TILES,
+    SCORE_SMEM_FIXED,
+    SCORE_SMEM_PER_QUERY_TILE,
+    TOKENS,
+    TOPK_CLUSTERS,
+    IndexKernel,
+)
 
 FFI_TARGET = "jax_sparse_mla_index_topk"
 STATE_TYPE = "jax_sparse_mla_index_topk_state"
-CTAS_PER_SM = 2  # scores CTAs resident per SM that the grid aims for (one wave)
+SM_SHARED_BYTES = 233472  # shared memory per SM on Hopper (228 KiB)
+CTA_RESERVED_BYTES = 1024  # the driver's share of it per resident CTA
+MAX_CTAS_PER_SM = 8  # beyond this the scores CTAs' registers run out (128 threads each)
 
 log = logging.getLogger("jax_sparse_mla")
 _LOCK = threading.Lock()
@@ -67,11 +78,22 @@ def pitch(capacity: int) -> int:
     return -(-capacity // TOKENS) * TOKENS
 
 
-def span(batch: int, capacity: int, sm_count: int) -> int:
-    """Key tiles per scores CTA: the fewest that keep the grid within CTAS_PER_SM waves of
-    the GPU (fewer tiles per CTA stage the queries more often; more leave SMs idle)."""
+def span(batch: int, steps: int, head_tiles: int, capacity: int, sm_count: int) -> int:
+    """Key tiles per scores CTA. The grid (ceil(tiles / span) CTAs per request, B requests)
+    fills one wave of the GPU: as many CTAs per request as fit B times into the resident
+    slots (SMs x CTAs per SM, as shared memory allows), at least one."""
     tiles = pitch(capacity) // TOKENS
-    return max(1, -(-batch * tiles // (CTAS_PER_SM * sm_count)))
+    smem = SCORE_SMEM_FIXED + steps * head_tiles * SCORE_SMEM_PER_QUERY_TILE
+    per_sm = max(1, min(MAX_CTAS_PER_SM, SM_SHARED_BYTES // (smem + CTA_RESERVED_BYTES)))
+    per_request = max(1, per_sm * sm_count // batch)
+    return -(-tiles // per_request)
+
+
+def topk_cluster(rows: int, sm_count: int) -> int:
+    """CTAs per verify row of the top-k: a cluster of the largest of TOPK_CLUSTERS whose
+    grid (rows x cluster CTAs of 512 threads, one resident per SM) fits one wave, else 1 (the
+    cluster's barriers and exchanges only pay where the GPU would otherwise idle)."""
+    return max(c for c in TOPK_CLUSTERS if c == 1 or rows * c <= sm_count)
 
 
 def kernels_or_reason(avals) -> tuple[dict | None, str | None]:
@@ -93,8 +115,10 @@ def kernels_or_reason(avals) -> tuple[dict | None, str | None]:
         return None, f"sizes beyond the kernels' int32 / grid limits: {q.shape=}, {capacity=}"
     try:
         register_ffi_target()
+        cluster = topk_cluster(batch * steps, cuda_lowering.sm_count())
         compiled = {
-            stage: index_compile.get_kernel(IndexKernel(stage)) for stage in ("scores", "topk")
+            "scores": index_compile.get_kernel(IndexKernel("scores")),
+            "topk": index_compile.get_kernel(IndexKernel("topk", cluster)),
         }
     except (FileNotFoundError, OSError, KernelUnavailableError, ImportError) as err:
         return None, str(err)
@@ -105,7 +129,10 @@ def kernels_or_reason(avals) -> tuple[dict | None, str | None]:
     attributes |= {
         f"{stage}_kernel": str(kernel.meta["kernel_name"]) for stage, kernel in compiled.items()
     }
-    attributes["span"] = np.int64(span(batch, capacity, cuda_lowering.sm_count()))
+    attributes["topk_cluster"] = np.int64(cluster)
+    attributes["span"] = np.int64(
+        span(batch, steps, heads // HEADS, capacity, cuda_lowering.sm_count())
+    )
     return attributes, None
 
 

@@ -2,7 +2,7 @@
 
 Looked up like the decode's (``kernel/compile.py``): this process, the installed package's
 ``_cubins``, the disk cache, then a compile with nvidia-cutlass-dsl for sm_90a (no GPU
-needed). Entries are ``index-<stage>-<fingerprint>-<dsl version>.{cubin,json}``; the
+needed). Entries are ``<slug>-<fingerprint>-<dsl version>.{cubin,json}``; the
 fingerprint hashes this folder's sources and the shared ``kernel/ptx.py``.
 """
 
@@ -123,10 +123,10 @@ def compile_kernel(kernel: IndexKernel, fingerprint: str, version: str):
         if kind == "u64"
     ]
     sizes = [cutlass.Int32(1) for kind in kernel.param_types if kind == "u32"]
-    builder = {"scores": IndexScores, "topk": RadixTopk}[kernel.stage]
+    builder = IndexScores() if kernel.stage == "scores" else RadixTopk(kernel.cluster)
     with tempfile.TemporaryDirectory(prefix="jax_sparse_mla-") as dump:
         options = f"--gpu-arch {ARCH} --keep-cubin --keep-ptx --dump-dir {dump}"
-        compiled = cute.compile(builder(), *pointers, *sizes, options=options)
+        compiled = cute.compile(builder, *pointers, *sizes, options=options)
         cubin, ptx = compiled.artifacts.CUBIN, compiled.artifacts.PTX
         if not cubin or not ptx:  # older DSLs only dump the files
             cubin = next(pathlib.Path(dump).glob("*.cubin")).read_bytes()

@@ -32,17 +32,22 @@ SCORE_SMEM_PER_QUERY_TILE = TILE_BYTES + HEADS * 4
 SCORE_SMEM_MAX = SCORE_SMEM_FIXED + MAX_QUERY_TILES * SCORE_SMEM_PER_QUERY_TILE
 
 # ---- top-k (topk.py) ----------------------------------------------------------------------
-TOPK_THREADS = 1024  # one CTA per verify row
+TOPK_THREADS = 512  # per CTA (128 registers per thread: no spills)
+TOPK_CLUSTERS = (1, 8)  # CTAs per verify row (a cluster), each taking a slice of its keys
 WARPS = TOPK_THREADS // 32
 BINS = 2048  # radix digits of 11, 11 and 10 bits of the order key
 DIGITS = ((21, 11), (10, 11), (0, 10))  # (shift, bits) of each pass, most significant first
 VECTORS = 4  # 16-byte loads in flight per thread and pass step
-STEP = TOPK_THREADS * VECTORS * 4  # order keys per pass step (16384 < 2**16: scan packing)
-# Static layout: [BINS] u32 histogram, [2, WARPS] u32 scan partials, [4] i32 selection state.
+ELEMENTS = VECTORS * 4  # consecutive order keys per thread and step
+STEP = TOPK_THREADS * ELEMENTS  # order keys per pass step (< 2**15: the scan's packing)
+assert STEP < 2**15
+# Static layout: [BINS] u32 histogram, [2, WARPS] u32 scan partials, [4] i32 selection state,
+# [2] u32 this CTA's counts of taken keys (above, equal), read by the cluster's later CTAs.
 HIST_OFFSET = 0
 SCAN_OFFSET = HIST_OFFSET + BINS * 4
 STATE_OFFSET = SCAN_OFFSET + 2 * WARPS * 4
-TOPK_SMEM = STATE_OFFSET + 16
+TOTALS_OFFSET = STATE_OFFSET + 16
+TOPK_SMEM = TOTALS_OFFSET + 16
 
 # The ABIs: global pointers, then u32 sizes.
 SCORE_PARAMS = (
@@ -76,17 +81,22 @@ TOPK_PARAM_TYPES = ("u64",) * 4 + ("u32",) * 3
 
 @dataclasses.dataclass(frozen=True)
 class IndexKernel:
-    """One of the indexer's two cubins: ``stage`` "scores" or "topk"."""
+    """One of the indexer's cubins: ``stage`` "scores", or "topk" with ``cluster`` CTAs per
+    verify row (one of TOPK_CLUSTERS)."""
 
     stage: str
+    cluster: int = 1
 
     def __post_init__(self) -> None:
         if self.stage not in _LAUNCH:
             raise ValueError(f"IndexKernel.stage must be one of {tuple(_LAUNCH)}, {self.stage=}")
+        clusters = TOPK_CLUSTERS if self.stage == "topk" else (1,)
+        if self.cluster not in clusters:
+            raise ValueError(f"IndexKernel.cluster of {self.stage} must be in {clusters}")
 
     @property
     def slug(self) -> str:
-        return f"index-{self.stage}"
+        return f"index-{self.stage}" + (f"-c{self.cluster}" if self.stage == "topk" else "")
 
     @property
     def threads(self) -> int:
@@ -110,4 +120,4 @@ _LAUNCH = {
     "scores": (SCORE_THREADS, SCORE_SMEM_MAX, SCORE_PARAMS, SCORE_PARAM_TYPES),
     "topk": (TOPK_THREADS, TOPK_SMEM, TOPK_PARAMS, TOPK_PARAM_TYPES),
 }
-INDEX_KERNELS = (IndexKernel("scores"), IndexKernel("topk"))
+INDEX_KERNELS = (IndexKernel("scores"), *(IndexKernel("topk", c) for c in TOPK_CLUSTERS))

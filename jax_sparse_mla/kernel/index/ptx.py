@@ -79,7 +79,7 @@ def shared_add(addr, value, *, loc=None, ip=None) -> None:
 def match_any(value, *, loc=None, ip=None) -> Int32:
     """The lanes of the (converged) warp holding the same ``value``, as a mask."""
     code = "match.any.sync.b32 $0, $1, 0xffffffff;"
-    return Int32(_asm(T.i32(), [_i32(value, loc, ip)], code, "=r,r", True, loc, ip))
+    return Int32(_asm(T.i32(), [_i32(value, loc, ip)], code, "=r,r", False, loc, ip))
 
 
 @dsl_user_op
@@ -92,3 +92,17 @@ def load_global_v4_if(cond, addr, *, loc=None, ip=None) -> tuple:
     operands = [_i32(Int32(cond), loc, ip), _i64(addr, loc, ip)]
     words = _asm([T.i32()] * 4, operands, code, "=r,=r,=r,=r,r,l", True, loc, ip)
     return tuple(Int32(w) for w in words)
+
+
+@dsl_user_op
+def load_cluster_u32(addr, *, loc=None, ip=None) -> Int32:
+    """A word of a cluster peer's shared memory (``addr`` from kernel/ptx.map_peer)."""
+    code = "ld.shared::cluster.u32 $0, [$1];"
+    return Int32(_asm(T.i32(), [_i32(addr, loc, ip)], code, "=r,r", True, loc, ip))
+
+
+@dsl_user_op
+def relu_nan(x, *, loc=None, ip=None) -> Float32:
+    """max(x, 0) that keeps NaN (max.NaN): a NaN query or key poisons the score."""
+    code = "max.NaN.f32 $0, $1, 0f00000000;"
+    return Float32(_asm(T.f32(), [_f32(x, loc, ip)], code, "=f,f", False, loc, ip))

@@ -44,6 +44,7 @@ from jax_sparse_mla.kernel.index.config import (
 PIECES = DIM // 16  # 16-byte pieces of a key or query row
 TILE_PIECES = TOKENS * PIECES
 LOADS = TILE_PIECES // SCORE_THREADS  # pieces of a key tile per thread
+LOOKUPS = LOADS + 1  # block-table entries a thread reads per tile: its copy rows, a scale row
 ACC = HEADS // 2  # accumulators per thread (m64n64)
 SWIZZLE_128B = 1
 SIGN = -(2**31)
@@ -158,14 +159,19 @@ class IndexScores:
                 index_ptx.cp_async_4(sWeights + i * 4, w_base + Int64(i) * 4, 4)
             table = mTable.toint() + Int64(b) * max_blocks * 4
             capacity = max_blocks * block_size
+            # The block-table entries of a tile's rows are read one tile ahead of its copies,
+            # so that their latency never stalls the loop.
+            blocks = cute.make_rmem_tensor((LOOKUPS,), Int32)
             for s in cutlass.range_constexpr(STAGES - 1):
+                self.lookup(table, capacity, block_size, first + s, tid, blocks)
                 if s < count:
                     self.load_tile(
-                        mKeys, mKeyScales, table, capacity, block_size, num_blocks,
-                        first + s, sKeys + s * TILE_BYTES, sScales + s * TOKENS * 4,
+                        mKeys, mKeyScales, capacity, block_size, num_blocks, first + s,
+                        blocks, sKeys + s * TILE_BYTES, sScales + s * TOKENS * 4,
                         sLive + s * TOKENS * 4, tid,
                     )  # fmt: skip
                 index_ptx.cp_async_commit()
+            self.lookup(table, capacity, block_size, first + STAGES - 1, tid, blocks)
             out = mOrder.toint() + Int64(b) * steps * pitch * 4
             for i in cutlass.range(count, unroll=1):
                 index_ptx.cp_async_wait(STAGES - 2)  # tile i (and the queries) landed
@@ -175,11 +181,12 @@ class IndexScores:
                 if ahead < count:
                     stage = ahead % STAGES
                     self.load_tile(
-                        mKeys, mKeyScales, table, capacity, block_size, num_blocks,
-                        first + ahead, sKeys + stage * TILE_BYTES,
-                        sScales + stage * TOKENS * 4, sLive + stage * TOKENS * 4, tid,
+                        mKeys, mKeyScales, capacity, block_size, num_blocks, first + ahead,
+                        blocks, sKeys + stage * TILE_BYTES, sScales + stage * TOKENS * 4,
+                        sLive + stage * TOKENS * 4, tid,
                     )  # fmt: skip
                 index_ptx.cp_async_commit()
+                self.lookup(table, capacity, block_size, first + ahead + 1, tid, blocks)
                 stage = i % STAGES
                 self.score_tile(
                     sKeys + stage * TILE_BYTES, sScales + stage * TOKENS * 4,
@@ -190,30 +197,52 @@ class IndexScores:
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
+    def lookup(self, table, capacity, block_size, tile, tid, blocks):
+        """Starts the reads of the block-table entries of this thread's rows of key tile
+        ``tile`` into ``blocks`` (its LOADS copy rows, then its scale row; 0 outside the
+        capacity), consumed by the next load_tile."""
+        for i in cutlass.range_constexpr(LOOKUPS):
+            position = tile * TOKENS + self.row(tid, i)
+            inside = position < capacity
+            entry = table + Int64(position // block_size) * 4
+            blocks[i] = ptx.load_global_i32_if(inside, entry)
+
+    @cute.jit
+    def row(self, tid, i: int):
+        """The tile row of this thread's lookup i: its copy rows, then (i == LOADS) its
+        scale row (threads < TOKENS)."""
+        if cutlass.const_expr(i < LOADS):
+            return (tid + SCORE_THREADS * i) // PIECES
+        return tid % TOKENS
+
+    @cute.jit
     def load_tile(
-        self, mKeys, mKeyScales, table, capacity, block_size, num_blocks, tile, sK, sS, sL, tid
+        self, mKeys, mKeyScales, capacity, block_size, num_blocks, tile, blocks, sK, sS, sL, tid
     ):
-        """cp.async of key tile ``tile`` (its rows through the block table, zero-filled where
-        the block is outside the cache) into sK, its key scales into sS and live flags
-        into sL."""
+        """cp.async of key tile ``tile`` (its rows through the block-table entries
+        ``blocks``, zero-filled where the block is outside the cache) into sK, its key scales
+        into sS and live flags into sL."""
         for i in cutlass.range_constexpr(LOADS):
             flat = tid + SCORE_THREADS * i
             row, piece = flat // PIECES, flat % PIECES
-            src, live = self.key_row(table, capacity, block_size, num_blocks, tile * TOKENS + row)
+            src, live = self.key_row(
+                capacity, block_size, num_blocks, tile * TOKENS + row, blocks[i]
+            )
             addr = mKeys.toint() + ptx.where_i64(live, src * DIM + piece * 16, 0)
             index_ptx.cp_async_16(sK + swizzled(row, piece), addr, ptx.where_i32(live, 16, 0))
         if tid < TOKENS:
-            src, live = self.key_row(table, capacity, block_size, num_blocks, tile * TOKENS + tid)
+            src, live = self.key_row(
+                capacity, block_size, num_blocks, tile * TOKENS + tid, blocks[LOADS]
+            )
             addr = mKeyScales.toint() + ptx.where_i64(live, src * 4, 0)
             index_ptx.cp_async_4(sS + tid * 4, addr, ptx.where_i32(live, 4, 0))
             ptx.store_shared_u32(sL + tid * 4, ptx.where_i32(live, 1, 0))
 
     @cute.jit
-    def key_row(self, table, capacity, block_size, num_blocks, position):
-        """(flat cache row as Int64, live) of a request's token position."""
-        inside = position < capacity
-        block = ptx.load_global_i32_if(inside, table + Int64(position // block_size) * 4)
-        live = inside & (block >= 0) & (block < num_blocks)
+    def key_row(self, capacity, block_size, num_blocks, position, block):
+        """(flat cache row as Int64, live) of a request's token position in block
+        ``block``."""
+        live = (position < capacity) & (block >= 0) & (block < num_blocks)
         return Int64(block) * block_size + position % block_size, live
 
     @cute.jit
@@ -244,12 +273,13 @@ class IndexScores:
                 # Value v: token 16 warp + lane / 4 + 8 ((v / 2) % 2), head 8 (v / 4) + 2 quad
                 # + v % 2 of this head tile.
                 w_row = sWeights + (t * heads + g * HEADS) * 4
-                for v in cutlass.range_constexpr(ACC):
-                    w = ptx.load_shared_f32(w_row + (8 * (v // 4) + 2 * quad + v % 2) * 4)
-                    r = (v // 2) % 2
-                    # relu that keeps NaN (a NaN query or key poisons the score)
-                    relu = ptx.where(s[v] <= Float32(0.0), 0.0, s[v])
-                    totals[r] = totals[r] + w * relu
+                for j in cutlass.range_constexpr(ACC // 4):
+                    # Heads 8 j + 2 quad (+ 1) of this tile, for both of the thread's tokens.
+                    w0, w1 = ptx.load_shared_v2_f32(w_row + (8 * j + 2 * quad) * 4)
+                    for r in cutlass.range_constexpr(2):
+                        low = index_ptx.relu_nan(s[4 * j + 2 * r])
+                        high = index_ptx.relu_nan(s[4 * j + 2 * r + 1])
+                        totals[r] = totals[r] + w0 * low + w1 * high
             for r in cutlass.range_constexpr(2):
                 total = totals[r]
                 for shift in cutlass.range_constexpr(2):

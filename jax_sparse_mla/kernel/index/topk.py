@@ -1,16 +1,21 @@
 """The exact top-k of the indexer's scores: a radix select on their order keys (sm_90a), in
 CuTe DSL.
 
-One CTA of 1024 threads per verify row (grid: T, B) over the row's ``n = limits[b, t]`` order
-keys (written by ``scores.py``; unsigned order = the selection's order, 0 = no candidate).
-Where n > top_k, up to three histogram passes over the keys' 11, 11 and 10-bit digits (most
-significant first; a warp's lanes with the same digit add once, through match.any) narrow
-the threshold key K* down and count how many keys above it are taken; a pass stops early
-once the threshold digit's keys are all taken. The last pass writes, in position order, every
-key above K* and the first ``remaining`` keys equal to K* (the smaller positions: the tie
-rule), each at its rank among the taken keys, from block-wide prefix counts: the output is
-the selected positions in ascending order. Slots past the taken ones hold -1 (score -inf):
-rows with fewer candidates than top_k. Any number of ties is exact: no candidate buffer.
+A cluster of C CTAs per verify row (grid: C * T, B; C = 8 for few rows, else 1), CTA r taking the
+r-th slice of the row's ``n = limits[b, t]`` order keys (written by ``scores.py``; unsigned
+order = the selection's order, 0 = no candidate). Where n > top_k, up to three histogram
+passes over the keys' 11, 11 and 10-bit digits (most significant first) narrow the threshold
+key K* down: each CTA counts its slice into its own shared histogram (in the first pass a
+warp's lanes with the same digit add once, through match.any: scores crowd into a few
+top digits), and after a cluster barrier every CTA sums the cluster's histograms over
+distributed shared memory and runs the same threshold search, so all hold the same state. A
+pass stops early once the threshold digit's keys are all taken. Then every CTA counts its
+slice's taken keys (above K*, equal to K*), the CTAs exchange those counts, and each writes,
+in position order, every key above K* and the first ``remaining`` keys equal to K* of the row
+(the smaller positions: the tie rule), each at its rank among the taken keys, from
+block-wide prefix counts: the output is the selected positions in ascending order. Slots
+past the taken ones hold -1 (score -inf): rows with fewer candidates than top_k. Any number
+of ties is exact: no candidate buffer.
 
 Nothing is read before griddepcontrol.wait (PDL: the scores kernel releases it).
 """
@@ -28,20 +33,20 @@ from jax_sparse_mla.kernel.index import ptx as index_ptx
 from jax_sparse_mla.kernel.index.config import (
     BINS,
     DIGITS,
+    ELEMENTS,
     HIST_OFFSET,
     SCAN_OFFSET,
     STATE_OFFSET,
     STEP,
     TOPK_SMEM,
     TOPK_THREADS,
+    TOTALS_OFFSET,
     VECTORS,
     WARPS,
 )
 
 SIGN = -(2**31)
 BINS_EACH = BINS // TOPK_THREADS  # histogram bins per thread in the threshold search
-ELEMENTS = VECTORS * 4  # order keys per thread and step
-assert BINS_EACH == 2
 
 
 def signed(value: int) -> int:
@@ -61,8 +66,28 @@ def key_score(key):
     return index_ptx.bits_float(ptx.where_i32(key < 0, key & 0x7FFFFFFF, key ^ -1))
 
 
+@cute.jit
+def cluster_sync():
+    """A cluster barrier (release / acquire: shared and global writes before it are seen by
+    every CTA of the cluster after it)."""
+    cute.arch.cluster_arrive()
+    cute.arch.cluster_wait()
+
+
 class RadixTopk:
-    """Exact top-k positions of every verify row (ABI: config.TOPK_PARAMS)."""
+    """Exact top-k positions of every verify row (ABI: config.TOPK_PARAMS), ``cluster``
+    CTAs per row."""
+
+    def __init__(self, cluster: int):
+        self.cluster = cluster
+
+    @cute.jit
+    def sync(self):
+        """A barrier of the row's CTAs (the cluster's, or the CTA's for one CTA per row)."""
+        if cutlass.const_expr(self.cluster > 1):
+            cluster_sync()
+        else:
+            cute.arch.sync_threads()
 
     @cute.jit
     def __call__(
@@ -76,7 +101,11 @@ class RadixTopk:
         top_k: Int32,
     ):
         self.kernel(mOrder, mLimits, mTokens, mScores, steps, pitch, top_k).launch(
-            grid=(1, 1, 1), block=(TOPK_THREADS, 1, 1), smem=TOPK_SMEM, use_pdl=True
+            grid=(self.cluster, 1, 1),
+            block=(TOPK_THREADS, 1, 1),
+            cluster=(self.cluster, 1, 1),
+            smem=TOPK_SMEM,
+            use_pdl=True,
         )
 
     @cute.kernel
@@ -93,8 +122,10 @@ class RadixTopk:
         smem = cutlass.memory.SmemAllocator()
         base = smem.allocate(TOPK_SMEM, 16).toint()
         sHist, sScan, sState = base + HIST_OFFSET, base + SCAN_OFFSET, base + STATE_OFFSET
+        sTotals = base + TOTALS_OFFSET
         tid, _, _ = cute.arch.thread_idx()
-        t, b, _ = cute.arch.block_idx()
+        x, b, _ = cute.arch.block_idx()
+        part, t = x % self.cluster, x // self.cluster
         cute.arch.griddepcontrol_wait()
 
         row = Int64(b) * steps + t
@@ -102,8 +133,13 @@ class RadixTopk:
         keys = mOrder.toint() + row * pitch * 4
         tokens = mTokens.toint() + row * top_k * 4
         scores = mScores.toint() + row * top_k * 4
-        # Every slot empty first; the taken keys overwrite theirs after the barriers below.
-        for i in cutlass.range(tid, top_k, TOPK_THREADS, unroll=1):
+        # This CTA's slice [lo, hi) of the row: whole 16-byte vectors of keys.
+        width = (n + self.cluster * ELEMENTS - 1) // (self.cluster * ELEMENTS) * ELEMENTS
+        lo = part * width
+        hi = min(n, lo + width)
+        # Every slot empty first; the taken keys overwrite theirs after the cluster barriers
+        # below (which order these stores before them).
+        for i in cutlass.range(part * TOPK_THREADS + tid, top_k, TOPK_THREADS * self.cluster):
             ptx.store_global_b32(tokens + Int64(i) * 4, -1)
             ptx.store_global_f32(scores + Int64(i) * 4, Float32(-math.inf))
 
@@ -117,54 +153,80 @@ class RadixTopk:
             for d in cutlass.range_constexpr(len(DIGITS)):
                 shift, bits = DIGITS[d]
                 if settled == 0:
-                    self.histogram(sHist, keys, n, prefix, mask, shift, bits, tid)
+                    self.histogram(sHist, keys, lo, hi, prefix, mask, shift, bits, d == 0, tid)
+                    self.sync()  # every CTA's histogram is complete
                     digit, above, inside = self.threshold(sHist, sScan, sState, remaining, tid)
                     prefix = prefix | (digit << shift)
                     mask = mask | signed(((1 << bits) - 1) << shift)
                     remaining = remaining - above
                     settled = ptx.where_i32(inside == remaining, 1, 0)
-        self.emit(sScan, keys, n, prefix, mask, remaining, tokens, scores, top_k, tid)
+        run_above, run_equal = self.offsets(sScan, sTotals, keys, lo, hi, prefix, mask, part, tid)
+        self.emit(
+            sScan, keys, lo, hi, prefix, mask, remaining, run_above, run_equal, tokens, scores,
+            top_k, tid,
+        )  # fmt: skip
+        if cutlass.const_expr(self.cluster > 1):
+            cute.arch.cluster_wait()  # no CTA exits while a peer may still read its counts
 
     @cute.jit
-    def histogram(self, sHist, keys, n, prefix, mask, shift, bits, tid):
-        """sHist[d] = how many of the first n candidate keys (not 0) with (key & mask) ==
-        prefix have digit d (bits ``shift`` .. ``shift + bits``)."""
+    def histogram(self, sHist, keys, lo, hi, prefix, mask, shift, bits, aggregate, tid):
+        """sHist[d] = how many candidate keys (not 0) of [lo, hi) with (key & mask) == prefix
+        have digit d (bits ``shift`` .. ``shift + bits``)."""
         for i in cutlass.range_constexpr(BINS_EACH):
             ptx.store_shared_u32(sHist + (tid + TOPK_THREADS * i) * 4, 0)
         cute.arch.sync_threads()
-        for start in cutlass.range(0, n, STEP, unroll=1):
-            words = self.load_step(keys, n, start, tid)
+        for start in cutlass.range(lo, hi, STEP, unroll=1):
+            words = self.load_step(keys, hi, start, tid)
             for e in cutlass.range_constexpr(ELEMENTS):
-                position = start + (tid + TOPK_THREADS * (e // 4)) * 4 + e % 4
+                position = start + tid * ELEMENTS + e
                 key = words[e]
-                hit = (position < n) & (key != 0) & ((key & mask) == prefix)
-                # Lanes that miss vote for bin -1, which nobody adds to.
-                digit = ptx.where_i32(hit, (key >> shift) & ((1 << bits) - 1), -1)
-                peers = index_ptx.match_any(digit)
-                lane = tid % 32
-                leader = (peers & ((1 << lane) - 1)) == 0  # the lowest lane of its group
-                if hit & leader:
-                    index_ptx.shared_add(sHist + digit * 4, cute.arch.popc(peers))
-        cute.arch.sync_threads()
+                hit = (position < hi) & (key != 0) & ((key & mask) == prefix)
+                digit = (key >> shift) & ((1 << bits) - 1)
+                if cutlass.const_expr(aggregate):
+                    # The first digit: scores crowd into a few bins, so a warp's lanes with
+                    # the same digit add once (lanes that miss vote for bin -1, never added).
+                    peers = index_ptx.match_any(ptx.where_i32(hit, digit, -1))
+                    leader = (peers & ((1 << (tid % 32)) - 1)) == 0  # lowest lane of a group
+                    if hit & leader:
+                        index_ptx.shared_add(sHist + digit * 4, cute.arch.popc(peers))
+                elif hit:
+                    index_ptx.shared_add(sHist + digit * 4, 1)
 
     @cute.jit
-    def load_step(self, keys, n, start, tid):
-        """This thread's ELEMENTS keys of a step (16-byte loads, VECTORS in flight; a vector
-        wholly past n is not read: the row's pitch covers a partial one)."""
+    def load_step(self, keys, hi, start, tid):
+        """This thread's ELEMENTS consecutive keys of a step, from position start + tid *
+        ELEMENTS (16-byte loads, VECTORS in flight; a vector wholly past hi is not read: the
+        row's pitch covers a partial one)."""
         words = []
         for v in cutlass.range_constexpr(VECTORS):
-            first = start + (tid + TOPK_THREADS * v) * 4
-            words.extend(index_ptx.load_global_v4_if(first < n, keys + Int64(first) * 4))
+            first = start + tid * ELEMENTS + 4 * v
+            words.extend(index_ptx.load_global_v4_if(first < hi, keys + Int64(first) * 4))
         return words
 
     @cute.jit
     def threshold(self, sHist, sScan, sState, remaining, tid):
-        """(digit, above, inside): the digit whose keys hold the remaining-th largest, how
-        many keys have a larger digit, and how many that digit (one thread finds it)."""
+        """(digit, above, inside) over the cluster's histograms: the digit whose keys hold the
+        remaining-th largest, how many keys have a larger digit, and how many that digit (one
+        thread of each CTA finds it; every CTA the same)."""
         warp, lane = tid // 32, tid % 32
-        low = ptx.load_shared_u32(sHist + (2 * tid) * 4)
-        high = ptx.load_shared_u32(sHist + (2 * tid + 1) * 4)
-        mine = low + high
+        # Every peer's bins first, then their sums: the loads overlap (one DSMEM latency).
+        bins = [sHist + (BINS_EACH * tid + i) * 4 for i in range(BINS_EACH)]
+        if cutlass.const_expr(self.cluster == 1):
+            counts = [ptx.load_shared_u32(addr) for addr in bins]
+        else:
+            seen = [
+                [index_ptx.load_cluster_u32(ptx.map_peer(addr, p)) for p in range(self.cluster)]
+                for addr in bins
+            ]
+            counts = []
+            for i in cutlass.range_constexpr(BINS_EACH):
+                total = seen[i][0]
+                for peer in cutlass.range_constexpr(1, self.cluster):
+                    total = total + seen[i][peer]
+                counts.append(total)
+        mine = Int32(0)
+        for i in cutlass.range_constexpr(BINS_EACH):
+            mine = mine + counts[i]
         # Suffix sums: keys in the bins of this thread and of the warp's higher lanes.
         suffix = mine
         for shift in cutlass.range_constexpr(5):
@@ -179,15 +241,16 @@ class RadixTopk:
         higher = Int32(0)
         for w in cutlass.range_constexpr(WARPS):
             higher = higher + ptx.where_i32(w > warp, ptx.load_shared_u32(sScan + w * 4), 0)
-        above_high = higher + suffix - mine  # keys in bins above 2 tid + 1
-        above_low = above_high + high
-        if (above_high < remaining) & (remaining <= above_high + high):
-            self.store_state(sState, 2 * tid + 1, above_high, high)
-        if (above_low < remaining) & (remaining <= above_low + low):
-            self.store_state(sState, 2 * tid, above_low, low)
+        above = higher + suffix - mine  # keys in the bins above this thread's
+        for i in cutlass.range_constexpr(BINS_EACH - 1, -1, -1):
+            if (above < remaining) & (remaining <= above + counts[i]):
+                self.store_state(sState, BINS_EACH * tid + i, above, counts[i])
+            above = above + counts[i]
         cute.arch.sync_threads()
         state = [ptx.load_shared_u32(sState + i * 4) for i in range(3)]
-        cute.arch.sync_threads()  # sScan and sState are free again
+        # No CTA clears its histogram (next pass) before every peer has read it; sScan and
+        # sState are free again.
+        self.sync()
         return state[0], state[1], state[2]
 
     @cute.jit
@@ -197,62 +260,105 @@ class RadixTopk:
         ptx.store_shared_u32(sState + 8, inside)
 
     @cute.jit
-    def emit(self, sScan, keys, n, prefix, mask, remaining, tokens, scores, top_k, tid):
-        """Writes the taken keys' positions and scores in position order: a key above the
-        threshold at rank (above before it) + min(equal before it, remaining), an equal key
-        (of the first ``remaining``) at (above before it) + (equal before it)."""
+    def offsets(self, sScan, sTotals, keys, lo, hi, prefix, mask, part, tid):
+        """(above, equal): how many candidate keys above / equal to the threshold the slices
+        before this CTA's hold (its taken keys' ranks start there). Arrives on the cluster
+        barrier that the kernel's last wait completes."""
         warp, lane = tid // 32, tid % 32
+        above, equal = Int32(0), Int32(0)
+        for start in cutlass.range(lo, hi, STEP, unroll=1):
+            words = self.load_step(keys, hi, start, tid)
+            for e in cutlass.range_constexpr(ELEMENTS):
+                kind = self.classify(words[e], start + tid * ELEMENTS + e, hi, prefix, mask)
+                above = above + (kind >> 16)
+                equal = equal + (kind & 0xFFFF)
+        for shift in cutlass.range_constexpr(5):
+            above = above + cute.arch.shuffle_sync_bfly(above, offset=1 << shift)
+            equal = equal + cute.arch.shuffle_sync_bfly(equal, offset=1 << shift)
+        if lane == 0:
+            ptx.store_shared_u32(sScan + warp * 4, above)
+            ptx.store_shared_u32(sScan + (WARPS + warp) * 4, equal)
+        cute.arch.sync_threads()
+        if tid == 0:
+            above, equal = Int32(0), Int32(0)
+            for w in cutlass.range_constexpr(WARPS):
+                above = above + ptx.load_shared_u32(sScan + w * 4)
+                equal = equal + ptx.load_shared_u32(sScan + (WARPS + w) * 4)
+            ptx.store_shared_u32(sTotals, above)
+            ptx.store_shared_u32(sTotals + 4, equal)
+        self.sync()  # every CTA's counts are in place (and sScan free again)
         run_above, run_equal = Int32(0), Int32(0)
-        parity = Int32(0)
-        for start in cutlass.range(0, n, STEP, unroll=1):
-            words = self.load_step(keys, n, start, tid)
-            # Block-wide exclusive prefix counts of above / equal keys (packed in 16 bits
-            # each: 4096 keys per scan) in position order: this thread's keys are (tid +
-            # 1024 v) * 4 + j, so one scan per vector v.
-            for v in cutlass.range_constexpr(VECTORS):
-                mine = Int32(0)
-                for j in cutlass.range_constexpr(4):
-                    mine = mine + self.classify(words[4 * v + j], start, 4 * v + j, n, prefix,
-                                                mask, tid)  # fmt: skip
-                inclusive = mine
-                for shift in cutlass.range_constexpr(5):
-                    other = cute.arch.shuffle_sync_up(inclusive, offset=1 << shift)
-                    inclusive = inclusive + ptx.where_i32(lane >= (1 << shift), other, 0)
-                slot = sScan + (parity * WARPS + warp) * 4
-                if lane == 31:
-                    ptx.store_shared_u32(slot, inclusive)
-                cute.arch.sync_threads()
-                lower, total = Int32(0), Int32(0)
-                for w in cutlass.range_constexpr(WARPS):
-                    part = ptx.load_shared_u32(sScan + (parity * WARPS + w) * 4)
-                    lower = lower + ptx.where_i32(w < warp, part, 0)
-                    total = total + part
-                before = lower + inclusive - mine
-                above = run_above + (before >> 16)
-                equal = run_equal + (before & 0xFFFF)
-                for j in cutlass.range_constexpr(4):
-                    key = words[4 * v + j]
-                    position = start + (tid + TOPK_THREADS * v) * 4 + j
-                    kind = self.classify(key, start, 4 * v + j, n, prefix, mask, tid)
-                    is_above = kind >= (1 << 16)
-                    is_equal = (kind == 1) & (equal < remaining)
-                    rank = ptx.where_i32(is_above, above + min(equal, remaining), above + equal)
-                    if (is_above | is_equal) & (rank < top_k):
-                        ptx.store_global_b32(tokens + Int64(rank) * 4, position)
-                        ptx.store_global_f32(scores + Int64(rank) * 4, key_score(key))
-                    above = above + (kind >> 16)
-                    equal = equal + (kind & 0xFFFF)
-                run_above = run_above + (total >> 16)
-                run_equal = run_equal + (total & 0xFFFF)
-                parity = parity ^ 1
+        if cutlass.const_expr(self.cluster > 1):
+            # Every peer's counts (loads overlapping), then the sums of those before this CTA.
+            counts = [
+                (
+                    index_ptx.load_cluster_u32(ptx.map_peer(sTotals, peer)),
+                    index_ptx.load_cluster_u32(ptx.map_peer(sTotals + 4, peer)),
+                )
+                for peer in range(self.cluster - 1)
+            ]
+            for peer in cutlass.range_constexpr(self.cluster - 1):
+                run_above = run_above + ptx.where_i32(peer < part, counts[peer][0], 0)
+                run_equal = run_equal + ptx.where_i32(peer < part, counts[peer][1], 0)
+            cute.arch.cluster_arrive_relaxed()  # this CTA is done reading its peers' counts
+        return run_above, run_equal
 
     @cute.jit
-    def classify(self, key, start, e, n, prefix, mask, tid):
-        """1 << 16 for a candidate key (not 0, inside the row) above the threshold, 1 for one
+    def emit(
+        self, sScan, keys, lo, hi, prefix, mask, remaining, run_above, run_equal, tokens,
+        scores, top_k, tid,
+    ):  # fmt: skip
+        """Writes the slice's taken keys' positions and scores in position order: a key above
+        the threshold at rank (above before it) + min(equal before it, remaining), an equal
+        key (of the first ``remaining``) at (above before it) + (equal before it)."""
+        warp, lane = tid // 32, tid % 32
+        parity = Int32(0)
+        for start in cutlass.range(lo, hi, STEP, unroll=1):
+            words = self.load_step(keys, hi, start, tid)
+            kinds = [
+                self.classify(words[e], start + tid * ELEMENTS + e, hi, prefix, mask)
+                for e in range(ELEMENTS)
+            ]
+            # Block-wide exclusive prefix of the above / equal counts (16 bits each: a step
+            # holds STEP < 2**15 keys) over the threads, in position order.
+            mine = Int32(0)
+            for e in cutlass.range_constexpr(ELEMENTS):
+                mine = mine + kinds[e]
+            inclusive = mine
+            for shift in cutlass.range_constexpr(5):
+                other = cute.arch.shuffle_sync_up(inclusive, offset=1 << shift)
+                inclusive = inclusive + ptx.where_i32(lane >= (1 << shift), other, 0)
+            if lane == 31:
+                ptx.store_shared_u32(sScan + (parity * WARPS + warp) * 4, inclusive)
+            cute.arch.sync_threads()  # one barrier per step: the two slots alternate
+            lower, total = Int32(0), Int32(0)
+            for w in cutlass.range_constexpr(WARPS):
+                part = ptx.load_shared_u32(sScan + (parity * WARPS + w) * 4)
+                lower = lower + ptx.where_i32(w < warp, part, 0)
+                total = total + part
+            before = lower + inclusive - mine
+            above = run_above + (before >> 16)
+            equal = run_equal + (before & 0xFFFF)
+            for e in cutlass.range_constexpr(ELEMENTS):
+                kind = kinds[e]
+                is_above = kind >= (1 << 16)
+                is_equal = (kind == 1) & (equal < remaining)
+                rank = ptx.where_i32(is_above, above + min(equal, remaining), above + equal)
+                if (is_above | is_equal) & (rank < top_k):
+                    ptx.store_global_b32(tokens + Int64(rank) * 4, start + tid * ELEMENTS + e)
+                    ptx.store_global_f32(scores + Int64(rank) * 4, key_score(words[e]))
+                above = above + (kind >> 16)
+                equal = equal + (kind & 0xFFFF)
+            run_above = run_above + (total >> 16)
+            run_equal = run_equal + (total & 0xFFFF)
+            parity = parity ^ 1
+
+    @cute.jit
+    def classify(self, key, position, hi, prefix, mask):
+        """1 << 16 for a candidate key (not 0, before hi) above the threshold, 1 for one
         equal to it under the mask, else 0."""
-        position = start + (tid + TOPK_THREADS * (e // 4)) * 4 + e % 4
         masked = key & mask
-        inside = (position < n) & (key != 0)
+        inside = (position < hi) & (key != 0)
         above = inside & unsigned_greater(masked, prefix)
         equal = inside & (masked == prefix)
         return ptx.where_i32(above, 1 << 16, ptx.where_i32(equal, 1, 0))
