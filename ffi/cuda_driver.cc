@@ -93,6 +93,48 @@ LoadedDriver LoadDriver() {
 
 }  // namespace
 
+xla::ffi::Error ForEachExecutableContext(const Driver& d,
+                                         const std::function<bool(CUcontext)>& is_loaded,
+                                         const std::function<xla::ffi::Error(CUcontext)>& load) {
+  int devices = 0;
+  if (xla::ffi::Error error = Check(d, "cuDeviceGetCount", d.DeviceGetCount(&devices));
+      error.failure()) {
+    return error;
+  }
+  for (int ordinal = 0; ordinal < devices; ++ordinal) {
+    CUdevice device = 0;
+    unsigned int flags = 0;
+    int active = 0;
+    if (xla::ffi::Error error = Check(d, "cuDeviceGet", d.DeviceGet(&device, ordinal));
+        error.failure()) {
+      return error;
+    }
+    if (xla::ffi::Error error = Check(d, "cuDevicePrimaryCtxGetState",
+                                      d.DevicePrimaryCtxGetState(device, &flags, &active));
+        error.failure()) {
+      return error;
+    }
+    if (!active) continue;
+    CUcontext context = nullptr;
+    if (xla::ffi::Error error = Check(d, "cuDevicePrimaryCtxRetain",
+                                      d.DevicePrimaryCtxRetain(&context, device));
+        error.failure()) {
+      return error;
+    }
+    // The primary context stays alive while XLA holds it; our reference is only needed here.
+    xla::ffi::Error error = load(context);
+    d.DevicePrimaryCtxRelease(device);
+    if (error.failure()) return error;
+  }
+  CUcontext current = nullptr;
+  if (xla::ffi::Error error = Check(d, "cuCtxGetCurrent", d.CtxGetCurrent(&current));
+      error.failure()) {
+    return error;
+  }
+  if (current != nullptr && !is_loaded(current)) return load(current);
+  return xla::ffi::Error::Success();
+}
+
 const LoadedDriver& GetDriver() {
   static const LoadedDriver* driver = new LoadedDriver(LoadDriver());
   return *driver;

@@ -6,6 +6,7 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+#include <functional>
 #include <string>
 #include <string_view>
 
@@ -61,5 +62,13 @@ std::string Describe(const Driver& driver, std::string_view call, CUresult resul
 
 // Success, or an Internal error carrying Describe's text.
 xla::ffi::Error Check(const Driver& driver, std::string_view call, CUresult result);
+
+// Calls `load` for every CUDA context an executable may run in, at its instantiation (no
+// stream given): the active primary context of each device (XLA's StreamExecutor runs on
+// them; one executable's thunk serves all the devices it runs on) and the context current on
+// the calling thread when `is_loaded` says it is not one of those. Stops at the first error.
+xla::ffi::Error ForEachExecutableContext(const Driver& driver,
+                                         const std::function<bool(CUcontext)>& is_loaded,
+                                         const std::function<xla::ffi::Error(CUcontext)>& load);
 
 }  // namespace cu

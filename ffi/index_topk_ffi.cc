@@ -43,7 +43,7 @@ constexpr int64_t kScoreSmemFixed = 4 * 8192 + 2 * 4 * 64 * 4;
 constexpr int64_t kScoreSmemPerQueryTile = 8192 + 64 * 4;
 constexpr int64_t kMaxQueryTiles = 16;
 constexpr unsigned int kTopkThreads = 512;
-constexpr unsigned int kTopkSmem = 2048 * 4 + 2 * 16 * 4 + 16 + 16;
+constexpr unsigned int kTopkSmem = 2 * 2048 * 4 + 2 * 16 * 4 + 16 + 16;
 constexpr int64_t kMaxGridY = 65535;
 
 struct IndexSpec {
@@ -172,44 +172,10 @@ ffi::ErrorOr<std::unique_ptr<IndexState>> Instantiate(IndexSpec spec) {
   state->driver = &loaded.driver;
   state->span = spec.span;
   state->topk_cluster = static_cast<unsigned int>(spec.topk_cluster);
-  const cu::Driver& d = loaded.driver;
-  int devices = 0;
-  if (ffi::Error error = cu::Check(d, "cuDeviceGetCount", d.DeviceGetCount(&devices));
-      error.failure()) {
-    return Failed(error);
-  }
-  for (int ordinal = 0; ordinal < devices; ++ordinal) {
-    CUdevice device = 0;
-    unsigned int flags = 0;
-    int active = 0;
-    if (ffi::Error error = cu::Check(d, "cuDeviceGet", d.DeviceGet(&device, ordinal));
-        error.failure()) {
-      return Failed(error);
-    }
-    if (ffi::Error error = cu::Check(d, "cuDevicePrimaryCtxGetState",
-                                     d.DevicePrimaryCtxGetState(device, &flags, &active));
-        error.failure()) {
-      return Failed(error);
-    }
-    if (!active) continue;
-    CUcontext context = nullptr;
-    if (ffi::Error error = cu::Check(d, "cuDevicePrimaryCtxRetain",
-                                     d.DevicePrimaryCtxRetain(&context, device));
-        error.failure()) {
-      return Failed(error);
-    }
-    ffi::Error error = LoadInto(*state, context, spec);
-    d.DevicePrimaryCtxRelease(device);
-    if (error.failure()) return Failed(error);
-  }
-  CUcontext current = nullptr;
-  if (ffi::Error error = cu::Check(d, "cuCtxGetCurrent", d.CtxGetCurrent(&current));
-      error.failure()) {
-    return Failed(error);
-  }
-  if (current != nullptr && state->Find(current) == nullptr) {
-    if (ffi::Error error = LoadInto(*state, current, spec); error.failure()) return Failed(error);
-  }
+  ffi::Error error = cu::ForEachExecutableContext(
+      loaded.driver, [&](CUcontext context) { return state->Find(context) != nullptr; },
+      [&](CUcontext context) { return LoadInto(*state, context, spec); });
+  if (error.failure()) return Failed(error);
   if (state->loaded.empty()) {
     return Failed(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                              "jax_sparse_mla: no active CUDA context to load the index_topk "

@@ -235,48 +235,11 @@ ffi::ErrorOr<std::unique_ptr<KernelState>> Instantiate(LaunchSpec spec) {
   state->smem_bytes = static_cast<unsigned int>(spec.smem_bytes);
   state->head_tile = static_cast<unsigned int>(spec.head_tile);
 
-  const cu::Driver& d = loaded.driver;
   const std::string kernel_name(spec.kernel_name);
-  int devices = 0;
-  if (ffi::Error error = cu::Check(d, "cuDeviceGetCount", d.DeviceGetCount(&devices));
-      error.failure()) {
-    return Failed(error);
-  }
-  for (int ordinal = 0; ordinal < devices; ++ordinal) {
-    CUdevice device = 0;
-    unsigned int flags = 0;
-    int active = 0;
-    if (ffi::Error error = cu::Check(d, "cuDeviceGet", d.DeviceGet(&device, ordinal));
-        error.failure()) {
-      return Failed(error);
-    }
-    if (ffi::Error error = cu::Check(d, "cuDevicePrimaryCtxGetState",
-                                     d.DevicePrimaryCtxGetState(device, &flags, &active));
-        error.failure()) {
-      return Failed(error);
-    }
-    if (!active) continue;
-    CUcontext context = nullptr;
-    if (ffi::Error error = cu::Check(d, "cuDevicePrimaryCtxRetain",
-                                     d.DevicePrimaryCtxRetain(&context, device));
-        error.failure()) {
-      return Failed(error);
-    }
-    // The primary context stays alive while XLA holds it; our reference is only needed here.
-    ffi::Error error = LoadInto(*state, context, spec, kernel_name);
-    d.DevicePrimaryCtxRelease(device);
-    if (error.failure()) return Failed(error);
-  }
-  CUcontext current = nullptr;
-  if (ffi::Error error = cu::Check(d, "cuCtxGetCurrent", d.CtxGetCurrent(&current));
-      error.failure()) {
-    return Failed(error);
-  }
-  if (current != nullptr && state->Find(current) == nullptr) {
-    if (ffi::Error error = LoadInto(*state, current, spec, kernel_name); error.failure()) {
-      return Failed(error);
-    }
-  }
+  ffi::Error error = cu::ForEachExecutableContext(
+      loaded.driver, [&](CUcontext context) { return state->Find(context) != nullptr; },
+      [&](CUcontext context) { return LoadInto(*state, context, spec, kernel_name); });
+  if (error.failure()) return Failed(error);
   if (state->loaded.empty()) {
     return Failed(ffi::Error(ffi::ErrorCode::kFailedPrecondition,
                              "jax_sparse_mla: no active CUDA context to load the kernel into "

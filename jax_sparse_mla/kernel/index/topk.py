@@ -137,6 +137,10 @@ class RadixTopk:
         width = (n + self.cluster * ELEMENTS - 1) // (self.cluster * ELEMENTS) * ELEMENTS
         lo = part * width
         hi = min(n, lo + width)
+        held = cute.make_rmem_tensor((ELEMENTS,), Int32)  # the slice's first step
+        first = self.load_step(keys, hi, lo, tid)
+        for e in cutlass.range_constexpr(ELEMENTS):
+            held[e] = first[e]
         # Every slot empty first; the taken keys overwrite theirs after the cluster barriers
         # below (which order these stores before them).
         for i in cutlass.range(part * TOPK_THREADS + tid, top_k, TOPK_THREADS * self.cluster):
@@ -153,30 +157,34 @@ class RadixTopk:
             for d in cutlass.range_constexpr(len(DIGITS)):
                 shift, bits = DIGITS[d]
                 if settled == 0:
-                    self.histogram(sHist, keys, lo, hi, prefix, mask, shift, bits, d == 0, tid)
+                    # Two histograms, alternating: a peer may still read the previous one.
+                    hist = sHist + (d % 2) * BINS * 4
+                    self.histogram(hist, keys, lo, hi, held, prefix, mask, shift, bits, d == 0, tid)
                     self.sync()  # every CTA's histogram is complete
-                    digit, above, inside = self.threshold(sHist, sScan, sState, remaining, tid)
+                    digit, above, inside = self.threshold(hist, sScan, sState, remaining, tid)
                     prefix = prefix | (digit << shift)
                     mask = mask | signed(((1 << bits) - 1) << shift)
                     remaining = remaining - above
                     settled = ptx.where_i32(inside == remaining, 1, 0)
-        run_above, run_equal = self.offsets(sScan, sTotals, keys, lo, hi, prefix, mask, part, tid)
+        run_above, run_equal = self.offsets(
+            sScan, sTotals, keys, lo, hi, held, prefix, mask, part, tid
+        )
         self.emit(
-            sScan, keys, lo, hi, prefix, mask, remaining, run_above, run_equal, tokens, scores,
-            top_k, tid,
+            sScan, keys, lo, hi, held, prefix, mask, remaining, run_above, run_equal, tokens,
+            scores, top_k, tid,
         )  # fmt: skip
         if cutlass.const_expr(self.cluster > 1):
             cute.arch.cluster_wait()  # no CTA exits while a peer may still read its counts
 
     @cute.jit
-    def histogram(self, sHist, keys, lo, hi, prefix, mask, shift, bits, aggregate, tid):
+    def histogram(self, sHist, keys, lo, hi, held, prefix, mask, shift, bits, aggregate, tid):
         """sHist[d] = how many candidate keys (not 0) of [lo, hi) with (key & mask) == prefix
         have digit d (bits ``shift`` .. ``shift + bits``)."""
         for i in cutlass.range_constexpr(BINS_EACH):
             ptx.store_shared_u32(sHist + (tid + TOPK_THREADS * i) * 4, 0)
         cute.arch.sync_threads()
         for start in cutlass.range(lo, hi, STEP, unroll=1):
-            words = self.load_step(keys, hi, start, tid)
+            words = self.step_keys(keys, lo, hi, start, held, tid)
             for e in cutlass.range_constexpr(ELEMENTS):
                 position = start + tid * ELEMENTS + e
                 key = words[e]
@@ -191,6 +199,21 @@ class RadixTopk:
                         index_ptx.shared_add(sHist + digit * 4, cute.arch.popc(peers))
                 elif hit:
                     index_ptx.shared_add(sHist + digit * 4, 1)
+
+    @cute.jit
+    def step_keys(self, keys, lo, hi, start, held, tid):
+        """This thread's keys of the step at ``start``: the slice's first step from ``held``
+        (read once, at the start: most slices are one step, so the passes re-read nothing),
+        later ones from memory."""
+        words = cute.make_rmem_tensor((ELEMENTS,), Int32)
+        if start == lo:
+            for e in cutlass.range_constexpr(ELEMENTS):
+                words[e] = held[e]
+        else:
+            loaded = self.load_step(keys, hi, start, tid)
+            for e in cutlass.range_constexpr(ELEMENTS):
+                words[e] = loaded[e]
+        return words
 
     @cute.jit
     def load_step(self, keys, hi, start, tid):
@@ -248,9 +271,7 @@ class RadixTopk:
             above = above + counts[i]
         cute.arch.sync_threads()
         state = [ptx.load_shared_u32(sState + i * 4) for i in range(3)]
-        # No CTA clears its histogram (next pass) before every peer has read it; sScan and
-        # sState are free again.
-        self.sync()
+        cute.arch.sync_threads()  # sScan and sState are free again
         return state[0], state[1], state[2]
 
     @cute.jit
@@ -260,14 +281,14 @@ class RadixTopk:
         ptx.store_shared_u32(sState + 8, inside)
 
     @cute.jit
-    def offsets(self, sScan, sTotals, keys, lo, hi, prefix, mask, part, tid):
+    def offsets(self, sScan, sTotals, keys, lo, hi, held, prefix, mask, part, tid):
         """(above, equal): how many candidate keys above / equal to the threshold the slices
         before this CTA's hold (its taken keys' ranks start there). Arrives on the cluster
         barrier that the kernel's last wait completes."""
         warp, lane = tid // 32, tid % 32
         above, equal = Int32(0), Int32(0)
         for start in cutlass.range(lo, hi, STEP, unroll=1):
-            words = self.load_step(keys, hi, start, tid)
+            words = self.step_keys(keys, lo, hi, start, held, tid)
             for e in cutlass.range_constexpr(ELEMENTS):
                 kind = self.classify(words[e], start + tid * ELEMENTS + e, hi, prefix, mask)
                 above = above + (kind >> 16)
@@ -305,8 +326,8 @@ class RadixTopk:
 
     @cute.jit
     def emit(
-        self, sScan, keys, lo, hi, prefix, mask, remaining, run_above, run_equal, tokens,
-        scores, top_k, tid,
+        self, sScan, keys, lo, hi, held, prefix, mask, remaining, run_above, run_equal,
+        tokens, scores, top_k, tid,
     ):  # fmt: skip
         """Writes the slice's taken keys' positions and scores in position order: a key above
         the threshold at rank (above before it) + min(equal before it, remaining), an equal
@@ -314,7 +335,7 @@ class RadixTopk:
         warp, lane = tid // 32, tid % 32
         parity = Int32(0)
         for start in cutlass.range(lo, hi, STEP, unroll=1):
-            words = self.load_step(keys, hi, start, tid)
+            words = self.step_keys(keys, lo, hi, start, held, tid)
             kinds = [
                 self.classify(words[e], start + tid * ELEMENTS + e, hi, prefix, mask)
                 for e in range(ELEMENTS)
