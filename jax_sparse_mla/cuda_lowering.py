@@ -12,8 +12,8 @@ shared memory, PDL).
 
 Importing the package registers the FFI target when the handler library is installed (a
 process that only runs a deserialized ``jax.export`` artifact needs nothing more than
-``import jax_sparse_mla``); ``jax.export`` needs ``export_disabled_checks()`` to accept the
-custom call.
+``import jax_sparse_mla``); ``jax.export`` needs ``jax_sparse_mla.export_disabled_checks()``
+to accept the custom call.
 
 Where the kernel cannot run (a CUDA GPU that is not Hopper, no cubin available, no handler
 library), ``require_kernel=False`` lowers to the reference after one ``logging.warning`` and
@@ -111,16 +111,10 @@ def register_ffi_target() -> pathlib.Path:
 
 
 def export_disabled_checks() -> tuple[jax.export.DisabledSafetyCheck, ...]:
-    """The ``disabled_checks`` that let ``jax.export`` serialize the library's custom calls:
-    the decode kernel's and the push exchange's (``dcp_decode(exchange="push")``)."""
-    from jax_sparse_mla import push_exchange  # imported here: it imports this module
-
-    targets = (
-        FFI_TARGET,
-        PUSH_FFI_TARGET,
-        push_exchange.GATHER_TARGET,
-        push_exchange.MERGE_TARGET,
-    )
+    """The ``disabled_checks`` that let ``jax.export`` serialize the decode kernel's custom
+    calls (plain and pushing); ``jax_sparse_mla.export_disabled_checks()`` allows all of the
+    library's."""
+    targets = (FFI_TARGET, PUSH_FFI_TARGET)
     return tuple(jax.export.DisabledSafetyCheck.custom_call(target) for target in targets)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jax
 
-from jax_sparse_mla import cuda_lowering, index_lowering
+from jax_sparse_mla import cuda_lowering, index_lowering, push_exchange
 
 __all__ = ["export_disabled_checks"]
 
@@ -14,4 +14,8 @@ def export_disabled_checks() -> tuple[jax.export.DisabledSafetyCheck, ...]:
     library: the decode kernel's, the push exchange's and ``index_topk``'s. A program that
     uses any of them (a model step: ``index_topk``, ``token_rows``, ``decode``) exports with
     ``jax.export.export(f, platforms=("cuda",), disabled_checks=export_disabled_checks())``."""
-    return (*cuda_lowering.export_disabled_checks(), *index_lowering.export_disabled_checks())
+    return (
+        *cuda_lowering.export_disabled_checks(),
+        *push_exchange.export_disabled_checks(),
+        *index_lowering.export_disabled_checks(),
+    )

@@ -67,6 +67,13 @@ _library: ctypes.CDLL | None = None
 _ready_ordinals: set[int] = set()  # CUDA devices with a mailbox, for dcp_check
 
 
+def export_disabled_checks() -> tuple[jax.export.DisabledSafetyCheck, ...]:
+    """The ``disabled_checks`` that let ``jax.export`` serialize the exchange's own custom
+    calls (the query gather and the merge; the pushing decode's is ``cuda_lowering``'s)."""
+    targets = (GATHER_TARGET, MERGE_TARGET)
+    return tuple(jax.export.DisabledSafetyCheck.custom_call(target) for target in targets)
+
+
 def _load_library() -> ctypes.CDLL:
     """The handler library with the exchange's targets registered for CUDA (once)."""
     global _library

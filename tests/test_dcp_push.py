@@ -251,7 +251,7 @@ def test_export_for_cuda_keeps_the_exchange(monkeypatch):
     fn, args = _push_program(2, 16, 5)
     with pytest.raises(ValueError, match="jax_sparse_mla_decode_push"):
         jax.export.export(fn, platforms=("cuda",))(*args)
-    checks = jax_sparse_mla.cuda_lowering.export_disabled_checks()
+    checks = jax_sparse_mla.export_disabled_checks()
     exported = jax.export.export(fn, platforms=("cuda",), disabled_checks=checks)(*args)
     text = jax.export.deserialize(exported.serialize()).mlir_module()
     for target in ("decode_push", "dcp_gather_queries", "dcp_merge"):
