@@ -225,7 +225,11 @@ def dcp_decode(
       step: int32 scalar (traced or not), required with "push": consecutive push exchanges
         must alternate its parity (a decode loop's counter; ``step * layers + layer`` with
         several exchanges per step). Unused by "collectives".
-      valid_hint: as for ``jax_sparse_mla.decode``, of this rank's valid keys per row.
+      valid_hint: as for ``jax_sparse_mla.decode``, of this rank's valid keys per row. None
+        (default): ceil(K / D), what a rank holds of a full row under the interleaved layout
+        (``local_rows``), so the kernel config suits the keys a rank really has. Results never
+        depend on it; where one rank holds far more of a row (a skewed row, another layout)
+        that call is only slower: pass K (or a ``kernel_config``) there.
       kernel_config: as for ``jax_sparse_mla.decode`` (both exchanges run that kernel).
 
     Returns:
@@ -244,6 +248,8 @@ def dcp_decode(
     # Checked on this rank's shard, before the gather, so errors show the local shapes.
     validation.check_decode_args(q, kv, rows, valid)
     dcp_size = _axis_size(axis_name)
+    if valid_hint is None:
+        valid_hint = -(-jnp.shape(rows)[1] // dcp_size)
     kwargs = dict(
         softmax_scale=softmax_scale,
         q_scale=q_scale,

@@ -319,6 +319,21 @@ def test_dcp_decode_hands_valid_hint_to_the_decode():
     assert len(calls) == 1 and "valid_hint=8" in calls[0], calls
 
 
+def test_dcp_decode_hints_its_share_of_the_keys_by_default():
+    """Without a hint, each rank's decode is hinted ceil(K / D) valid keys: what a rank holds
+    of a full row under the interleaved layout, so the dispatch rule picks for that."""
+    rng = np.random.default_rng(4)
+    for dcp_size, width in ((2, 16), (4, 18), (8, 7)):
+        mesh = mesh_of(dcp_size)
+        q = fp8(rng, (5, 16 * dcp_size, 576))
+        kv = shard_flat_cache(fp8(rng, (16 * dcp_size, 576)), dcp_size)
+        tokens = jnp.asarray(make_tokens(rng, 5, width, dcp_size, 16 * dcp_size))
+        text = str(jax.make_jaxpr(dcp_program(mesh))(q, kv, tokens, None, 1.0, 1.0, 0))
+        calls = re.findall(r"sparse_mla_decode\[[^\]]*\]", text)
+        share = -(-width // dcp_size)
+        assert len(calls) == 1 and f"valid_hint={share}" in calls[0], (dcp_size, calls)
+
+
 def global_rows(tokens, seq_length=0, per_row_seq=False):
     """Single-device rows: the tokens compacted; with per-row sequences, row b's token t is
     row b * seq_length + t of the concatenated cache."""
