@@ -7,13 +7,10 @@ import jax
 import jax.numpy as jnp
 
 from jax_sparse_mla import index_validation, reference, validation
+from jax_sparse_mla.dcp import local_rows
 from jax_sparse_mla.index_primitive import HEAD_TILE, index_topk_p
 
-__all__ = ["FILL_ROW", "index_topk", "token_rows"]
-
-FILL_ROW = -1
-"""Value of ``token_rows``'s entries for "no token": out of range for every cache, so decode
-skips it."""
+__all__ = ["index_topk", "token_rows"]
 
 
 def index_topk(
@@ -86,7 +83,8 @@ def token_rows(
     block_table: jax.Array | None = None,
     block_size: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Map ``index_topk``'s tokens to the flat cache rows and valid counts of ``decode``.
+    """Map ``index_topk``'s tokens to the flat cache rows and valid counts of ``decode``:
+    ``local_rows`` of one rank holding every token, with each verify row its own row.
 
     Args:
       tokens: [B, T, K] (or [B, K]) integer token positions as ``index_topk`` returns them:
@@ -99,54 +97,36 @@ def token_rows(
 
     Returns:
       rows: [B * T, K] (or [B, K]) int32; row ``b * T + t`` holds the rows of
-        ``tokens[b, t]``, in token order. "No token" stays ``FILL_ROW`` (-1), as does a
+        ``tokens[b, t]`` in token order, packed to the front, then ``FILL_ROW`` (-1). A
         position whose block index falls outside the table or whose table entry is negative
-        (decode skips rows outside [0, N)).
-      valid: [B * T] (or [B]) int32, the number of tokens >= 0 per row: with tokens
-        ascending then -1, decode's ``rows[r, :valid[r]]`` are exactly the row's tokens.
+        keeps its slot with row -1 (decode skips rows outside [0, N)).
+      valid: [B * T] (or [B]) int32, the number of tokens >= 0 per row: decode's
+        ``rows[r, :valid[r]]`` are exactly the row's tokens.
 
     Jittable, no host synchronization.
     """
     if not hasattr(tokens, "ndim") or tokens.ndim not in (2, 3):
         raise ValueError(f"tokens must be [B, T, K] or [B, K], got {_describe(tokens)}")
-    if not jnp.issubdtype(tokens.dtype, jnp.integer):
-        raise TypeError(f"tokens must be an integer array, got {_describe(tokens)}")
-    if (block_table is None) != (block_size is None):
-        raise ValueError(
-            "block_table and block_size go together, got "
-            f"block_table={_describe(block_table)}, {block_size=}"
-        )
-    batch = tokens.shape[0]
-    steps = tokens.shape[1] if tokens.ndim == 3 else 1
-    tokens = tokens.astype(jnp.int32)
-    rows = tokens
+    batch, steps = tokens.shape[0], tokens.shape[1] if tokens.ndim == 3 else 1
     if block_table is not None:
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise ValueError(f"block_size must be a Python int >= 1, got {block_size!r}")
         if (
             not hasattr(block_table, "ndim")
             or block_table.ndim != 2
-            or block_table.shape[0] not in (1, batch)
-            or not jnp.issubdtype(block_table.dtype, jnp.integer)
+            or (block_table.shape[0] not in (1, batch))
         ):
             raise ValueError(
                 f"block_table must be integer [{batch} or 1, max_blocks] for tokens "
                 f"{tuple(tokens.shape)}, got {_describe(block_table)}"
             )
-        table = jnp.broadcast_to(block_table.astype(jnp.int32), (batch, block_table.shape[1]))
-        table = table.reshape(batch, *(1,) * (tokens.ndim - 2), -1)
-        block_index = tokens // block_size
-        blocks = table.shape[-1]
-        block = jnp.take_along_axis(
-            jnp.broadcast_to(table, (*tokens.shape[:-1], blocks)),
-            jnp.clip(block_index, 0, blocks - 1),
-            axis=-1,
-        )
-        mapped = (tokens >= 0) & (block_index < blocks) & (block >= 0)
-        rows = jnp.where(mapped, block * block_size + tokens % block_size, FILL_ROW)
-    rows = jnp.where(tokens >= 0, rows, FILL_ROW).reshape(batch * steps, tokens.shape[-1])
-    valid = jnp.sum(tokens >= 0, axis=-1, dtype=jnp.int32).reshape(batch * steps)
-    return rows, valid
+        if block_table.shape[0] == batch:  # one table row per verify row
+            block_table = jnp.repeat(block_table, steps, axis=0)
+    return local_rows(
+        tokens.reshape(batch * steps, tokens.shape[-1]),
+        rank=0,
+        dcp_size=1,
+        block_table=block_table,
+        block_size=block_size,
+    )
 
 
 def _describe(x) -> str:
