@@ -143,16 +143,6 @@ def local_rows(
     return rows, valid
 
 
-def _axis_size(axis_name: AxisName) -> int:
-    try:
-        return lax.axis_size(axis_name)
-    except NameError as error:
-        raise ValueError(
-            f"dcp_decode must run inside jax.shard_map (or another mapped context) over "
-            f"axis_name={axis_name!r}: {error}"
-        ) from error
-
-
 def _step_scalar(step) -> jax.Array:
     if step is None:
         raise ValueError(
@@ -247,7 +237,7 @@ def dcp_decode(
     step_value = _step_scalar(step) if exchange == "push" else None
     # Checked on this rank's shard, before the gather, so errors show the local shapes.
     validation.check_decode_args(q, kv, rows, valid)
-    dcp_size = _axis_size(axis_name)
+    dcp_size = validation.axis_size(axis_name, "dcp_decode")
     if valid_hint is None:
         valid_hint = -(-jnp.shape(rows)[1] // dcp_size)
     kwargs = dict(

@@ -51,16 +51,6 @@ def merge_candidates(scores: jax.Array, positions: jax.Array, top_k: int) -> jax
     return jnp.where(tokens == _INT32_MAX, -1, tokens).astype(jnp.int32)
 
 
-def _axis_size(axis_name: AxisName) -> int:
-    try:
-        return lax.axis_size(axis_name)
-    except NameError as error:
-        raise ValueError(
-            f"dcp_index_topk must run inside jax.shard_map (or another mapped context) over "
-            f"axis_name={axis_name!r}: {error}"
-        ) from error
-
-
 def local_limits(limits: jax.Array, *, rank: jax.Array, dcp_size: int, capacity: int):
     """Global limits [B, T] -> this rank's: the number of its local positions j with
     ``j * dcp_size + rank < limit``, i.e. ceil((limit - rank) / D) clamped to [0, capacity]."""
@@ -110,7 +100,7 @@ def dcp_index_topk(
     shapes = index_validation.check_index_args(
         q_index, weights, index_keys, index_scales, lengths, block_table
     )
-    dcp_size = _axis_size(axis_name)
+    dcp_size = validation.axis_size(axis_name, "dcp_index_topk")
     capacity = dcp_size * shapes.capacity
     if capacity >= 2**31:
         raise ValueError(

@@ -54,7 +54,10 @@ def register_ffi_target() -> None:
     with _LOCK:
         if _registered:
             return
-        library = ctypes.CDLL(str(cuda_lowering.find_library()))
+        path = cuda_lowering.find_library()
+        library = ctypes.CDLL(str(path))
+        if not hasattr(library, "JaxSparseMlaIndexTopkExecute"):
+            raise OSError(f"{path} has no index_topk handler (built before it existed?)")
         for name in ("JaxSparseMlaIndexTopkStateTypeId", "JaxSparseMlaIndexTopkStateTypeInfo"):
             getattr(library, name).restype = ctypes.c_void_p
         jax.ffi.register_ffi_type(

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_sparse_mla import validation
+from jax_sparse_mla.validation import dtype_of, shape_of
 
 INDEX_DIM = 128  # bytes of an index query head or key (FP8 E4M3)
 FP8 = validation.FP8
@@ -34,18 +35,11 @@ class IndexShapes:
     paged: bool
 
 
-def _shape(x) -> tuple[int, ...]:
-    return tuple(np.shape(x))
-
-
-def _dtype(x):
-    return x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
-
-
 def _check_dtype(name: str, x, dtype) -> None:
-    if _dtype(x) != dtype:
+    if dtype_of(x) != dtype:
         raise TypeError(
-            f"{name} must be {jnp.dtype(dtype).name}, got {_dtype(x)} ({name}.shape={_shape(x)})"
+            f"{name} must be {jnp.dtype(dtype).name}, got {dtype_of(x)} "
+            f"({name}.shape={shape_of(x)})"
         )
 
 
@@ -67,9 +61,9 @@ def check_index_args(
     _check_dtype("index_keys", index_keys, FP8)
     _check_dtype("index_scales", index_scales, jnp.float32)
     _check_dtype("lengths", lengths, jnp.int32)
-    q_shape, weights_shape = _shape(q_index), _shape(weights)
-    keys_shape, scales_shape = _shape(index_keys), _shape(index_scales)
-    lengths_shape = _shape(lengths)
+    q_shape, weights_shape = shape_of(q_index), shape_of(weights)
+    keys_shape, scales_shape = shape_of(index_keys), shape_of(index_scales)
+    lengths_shape = shape_of(lengths)
     if len(q_shape) != 4 or q_shape[3] != INDEX_DIM:
         raise ValueError(f"q_index must be [B, T, Hi, {INDEX_DIM}], got {q_shape=}")
     batch, steps, heads = q_shape[:3]
@@ -111,7 +105,7 @@ def check_index_args(
                 f"a paged cache ({keys_shape=}) needs block_table [B, max_blocks] int32"
             )
         _check_dtype("block_table", block_table, jnp.int32)
-        table_shape = _shape(block_table)
+        table_shape = shape_of(block_table)
         if len(table_shape) != 2 or table_shape[0] != batch or table_shape[1] < 1:
             raise ValueError(
                 f"block_table must be [B, max_blocks] with B = {batch} and max_blocks >= 1, "

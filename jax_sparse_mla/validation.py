@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 ROW_BYTES = 576  # one cache / query row: 512 latent + 64 RoPE, FP8 E4M3
 ROW_ALIGN = 16  # a padded cache row's width W: a multiple of this (bulk copies need 16 B)
@@ -32,25 +33,27 @@ class DecodeShapes:
     paged: bool
 
 
-def _shape(x) -> tuple[int, ...]:
+def shape_of(x) -> tuple[int, ...]:
+    """The shape of an array or array-like (for error messages and checks)."""
     return tuple(np.shape(x))
 
 
-def _dtype(x):
+def dtype_of(x):
+    """The dtype of an array or array-like."""
     return x.dtype if hasattr(x, "dtype") else jnp.asarray(x).dtype
 
 
 def check_decode_args(q, kv, rows, valid) -> DecodeShapes:
     """Validate the array arguments of decode; return the sizes they imply."""
-    if _dtype(q) != FP8:
-        raise TypeError(f"q must be float8_e4m3fn, got {_dtype(q)} ({_shape(q)=})")
-    if _dtype(kv) != FP8:
-        raise TypeError(f"kv must be float8_e4m3fn, got {_dtype(kv)} ({_shape(kv)=})")
+    if dtype_of(q) != FP8:
+        raise TypeError(f"q must be float8_e4m3fn, got {dtype_of(q)} ({shape_of(q)=})")
+    if dtype_of(kv) != FP8:
+        raise TypeError(f"kv must be float8_e4m3fn, got {dtype_of(kv)} ({shape_of(kv)=})")
     for name, x in (("rows", rows), ("valid", valid)):
-        if _dtype(x) != jnp.int32:
-            raise TypeError(f"{name} must be int32, got {_dtype(x)} ({name}.shape={_shape(x)})")
-    q_shape, kv_shape = _shape(q), _shape(kv)
-    rows_shape, valid_shape = _shape(rows), _shape(valid)
+        if dtype_of(x) != jnp.int32:
+            raise TypeError(f"{name} must be int32, got {dtype_of(x)} ({name}.shape={shape_of(x)})")
+    q_shape, kv_shape = shape_of(q), shape_of(kv)
+    rows_shape, valid_shape = shape_of(rows), shape_of(valid)
     if len(q_shape) != 3 or q_shape[2] != ROW_BYTES:
         raise ValueError(f"q must be [B, H, {ROW_BYTES}], got {q_shape=}")
     if len(kv_shape) not in (2, 3):
@@ -117,11 +120,11 @@ def check_scale(name: str, scale):
     """q_scale / kv_scale: a Python number or a float scalar array (may be traced)."""
     if isinstance(scale, (int, float, np.floating, np.integer)) and not isinstance(scale, bool):
         return float(scale)
-    shape = _shape(scale)
+    shape = shape_of(scale)
     if shape != ():
         raise ValueError(f"{name} must be a scalar, got {name}.shape={shape}")
-    if not jnp.issubdtype(_dtype(scale), jnp.floating):
-        raise TypeError(f"{name} must be a float scalar, got dtype {_dtype(scale)}")
+    if not jnp.issubdtype(dtype_of(scale), jnp.floating):
+        raise TypeError(f"{name} must be a float scalar, got dtype {dtype_of(scale)}")
     return scale
 
 
@@ -142,3 +145,15 @@ def kernel_scales(softmax_scale: float, q_scale, kv_scale):
         jnp.float32(q_scale) * jnp.float32(kv_scale)
     )
     return jnp.stack([scale_log2, jnp.float32(kv_scale)]).astype(jnp.float32)
+
+
+def axis_size(axis_name, op: str) -> int:
+    """The size of the mapped axis ``axis_name``, or a ValueError saying that ``op`` must run
+    inside ``jax.shard_map`` over it."""
+    try:
+        return lax.axis_size(axis_name)
+    except NameError as error:
+        raise ValueError(
+            f"{op} must run inside jax.shard_map (or another mapped context) over "
+            f"axis_name={axis_name!r}: {error}"
+        ) from error
