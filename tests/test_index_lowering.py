@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import pathlib
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +20,7 @@ from jax_sparse_mla import cuda_lowering, index_lowering, index_primitive, push_
 from jax_sparse_mla.kernel import compile as kernel_compile
 from jax_sparse_mla.kernel.config import PARAMS, KernelConfig, KernelUnavailableError
 from jax_sparse_mla.kernel.index import compile as index_compile
+from jax_sparse_mla.kernel.index import config
 from jax_sparse_mla.kernel.index.config import (
     HEADS,
     INDEX_KERNELS,
@@ -462,3 +465,27 @@ def test_span_grows_with_the_work_and_shrinks_with_the_gpu():
         assert _span(batch, steps, head_tiles, capacity + TOKENS, sms) >= span
         assert _span(batch, steps + 1, head_tiles, capacity, sms) >= span
         assert _span(batch, steps, head_tiles, capacity, sms + 1) <= span
+
+
+def test_ffi_mirrors_the_kernels_static_sizes():
+    """ffi/index_topk_ffi.cc restates the launch sizes of config.py (the cubins carry none):
+    a layout change on one side only would launch with the wrong shared memory."""
+    source = pathlib.Path(__file__).parents[1] / "ffi" / "index_topk_ffi.cc"
+    constants = {
+        name: eval(expr, {"__builtins__": {}})  # constexpr sums / products of literals
+        for name, expr in re.findall(
+            r"constexpr \w+(?: \w+)? (k\w+) = ([\d\s*+]+);", source.read_text()
+        )
+    }
+    assert constants == {
+        "kDim": config.DIM,
+        "kTokens": config.TOKENS,
+        "kHeads": config.HEADS,
+        "kScoreThreads": config.SCORE_THREADS,
+        "kScoreSmemFixed": config.SCORE_SMEM_FIXED,
+        "kScoreSmemPerQueryTile": config.SCORE_SMEM_PER_QUERY_TILE,
+        "kMaxQueryTiles": config.MAX_QUERY_TILES,
+        "kTopkThreads": config.TOPK_THREADS,
+        "kTopkSmem": config.TOPK_SMEM,
+        "kMaxGridY": 65535,  # CUDA's grid limit, not a kernel size
+    }

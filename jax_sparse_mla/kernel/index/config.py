@@ -41,12 +41,18 @@ VECTORS = 4  # 16-byte loads in flight per thread and pass step
 ELEMENTS = VECTORS * 4  # consecutive order keys per thread and step
 STEP = TOPK_THREADS * ELEMENTS  # order keys per pass step (< 2**15: the scan's packing)
 assert STEP < 2**15
-# Static layout: [2, BINS] u32 histograms (passes alternate: peers may still read the last),
-# [2, WARPS] u32 scan partials, [4] i32 selection state, [2] u32 this CTA's counts of taken
-# keys (above, equal), read by the cluster's later CTAs.
+CHUNK = BINS // max(TOPK_CLUSTERS)  # bins whose cluster-wide sums one CTA of a cluster holds
+# Static layout: [BINS] u32 this CTA's histogram; [len(DIGITS), CHUNK] u32 the cluster-wide
+# sums of this CTA's chunk of bins, one buffer per pass (the peers add into them, so none is
+# reused); [2, WARPS] u32 scan partials; [2, WARPS] u32 the warps' counts of taken keys
+# (apart from the scan's: the write pass reuses those right after a cluster barrier only);
+# [4] i32 selection state; [2] u32 this CTA's counts of taken keys (above, equal), read by
+# the cluster's later CTAs.
 HIST_OFFSET = 0
-SCAN_OFFSET = HIST_OFFSET + 2 * BINS * 4
-STATE_OFFSET = SCAN_OFFSET + 2 * WARPS * 4
+REDUCED_OFFSET = HIST_OFFSET + BINS * 4
+SCAN_OFFSET = REDUCED_OFFSET + len(DIGITS) * CHUNK * 4
+COUNTS_OFFSET = SCAN_OFFSET + 2 * WARPS * 4
+STATE_OFFSET = COUNTS_OFFSET + 2 * WARPS * 4
 TOTALS_OFFSET = STATE_OFFSET + 16
 TOPK_SMEM = TOTALS_OFFSET + 16
 

@@ -102,6 +102,22 @@ def load_cluster_u32(addr, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def load_cluster_v4(addr, *, loc=None, ip=None) -> tuple:
+    """Four words (16-byte aligned) of a cluster peer's shared memory."""
+    code = "ld.shared::cluster.v4.b32 {$0, $1, $2, $3}, [$4];"
+    words = _asm([T.i32()] * 4, [_i32(addr, loc, ip)], code, "=r,=r,=r,=r,r", True, loc, ip)
+    return tuple(Int32(w) for w in words)
+
+
+@dsl_user_op
+def cluster_add(addr, value, *, loc=None, ip=None) -> None:
+    """red.shared::cluster.add.u32: add ``value`` to a word of a cluster peer's shared memory
+    (ordered for the peers by the next cluster barrier's release)."""
+    code = "red.shared::cluster.add.u32 [$0], $1;"
+    _asm(None, [_i32(addr, loc, ip), _i32(value, loc, ip)], code, "r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
 def relu_nan(x, *, loc=None, ip=None) -> Float32:
     """max(x, 0) that keeps NaN (max.NaN): a NaN query or key poisons the score."""
     code = "max.NaN.f32 $0, $1, 0f00000000;"

@@ -7,8 +7,10 @@ order = the selection's order, 0 = no candidate). Where n > top_k, up to three h
 passes over the keys' 11, 11 and 10-bit digits (most significant first) narrow the threshold
 key K* down: each CTA counts its slice into its own shared histogram (in the first pass a
 warp's lanes with the same digit add once, through match.any: scores crowd into a few
-top digits), and after a cluster barrier every CTA sums the cluster's histograms over
-distributed shared memory and runs the same threshold search, so all hold the same state. A
+top digits), adds its non-zero bins into the cluster-wide sums, which CTA r of the cluster
+holds for the r-th chunk of the bins (distributed shared memory), and after a cluster
+barrier every CTA reads the sums (one 16-byte load per thread) and runs the same threshold
+search, so all hold the same state. A
 pass stops early once the threshold digit's keys are all taken. Then every CTA counts its
 slice's taken keys (above K*, equal to K*), the CTAs exchange those counts, and each writes,
 in position order, every key above K* and the first ``remaining`` keys equal to K* of the row
@@ -32,9 +34,12 @@ from jax_sparse_mla.kernel import ptx
 from jax_sparse_mla.kernel.index import ptx as index_ptx
 from jax_sparse_mla.kernel.index.config import (
     BINS,
+    CHUNK,
+    COUNTS_OFFSET,
     DIGITS,
     ELEMENTS,
     HIST_OFFSET,
+    REDUCED_OFFSET,
     SCAN_OFFSET,
     STATE_OFFSET,
     STEP,
@@ -46,7 +51,10 @@ from jax_sparse_mla.kernel.index.config import (
 )
 
 SIGN = -(2**31)
-BINS_EACH = BINS // TOPK_THREADS  # histogram bins per thread in the threshold search
+BINS_EACH = BINS // TOPK_THREADS  # histogram bins per thread: one 16-byte vector
+assert BINS_EACH == 4
+REDUCED_VECTORS = len(DIGITS) * CHUNK // 4  # 16-byte vectors of the cluster-wide sums
+assert REDUCED_VECTORS <= TOPK_THREADS
 
 
 def signed(value: int) -> int:
@@ -79,6 +87,7 @@ class RadixTopk:
     CTAs per row."""
 
     def __init__(self, cluster: int):
+        assert cluster == 1 or BINS // cluster == CHUNK
         self.cluster = cluster
 
     @cute.jit
@@ -121,11 +130,18 @@ class RadixTopk:
     ):
         smem = cutlass.memory.SmemAllocator()
         base = smem.allocate(TOPK_SMEM, 16).toint()
-        sHist, sScan, sState = base + HIST_OFFSET, base + SCAN_OFFSET, base + STATE_OFFSET
-        sTotals = base + TOTALS_OFFSET
+        sHist, sReduced = base + HIST_OFFSET, base + REDUCED_OFFSET
+        sScan, sCounts = base + SCAN_OFFSET, base + COUNTS_OFFSET
+        sState, sTotals = base + STATE_OFFSET, base + TOTALS_OFFSET
         tid, _, _ = cute.arch.thread_idx()
         x, b, _ = cute.arch.block_idx()
         part, t = x % self.cluster, x // self.cluster
+        if cutlass.const_expr(self.cluster > 1):
+            # The peers add into the sums of every pass: zero before the cluster barrier
+            # that the wait below completes.
+            if tid < REDUCED_VECTORS:
+                ptx.store_shared_v4(sReduced + tid * 16, 0, 0, 0, 0)
+            cute.arch.cluster_arrive()
         cute.arch.griddepcontrol_wait()
 
         row = Int64(b) * steps + t
@@ -146,6 +162,8 @@ class RadixTopk:
         for i in cutlass.range(part * TOPK_THREADS + tid, top_k, TOPK_THREADS * self.cluster):
             ptx.store_global_b32(tokens + Int64(i) * 4, -1)
             ptx.store_global_f32(scores + Int64(i) * 4, Float32(-math.inf))
+        if cutlass.const_expr(self.cluster > 1):
+            cute.arch.cluster_wait()  # every peer's sums are zero
 
         # Selection state: keys k with (k & mask) > prefix (unsigned) are taken, and of those
         # with (k & mask) == prefix the first `remaining` by position. n <= top_k: all.
@@ -157,17 +175,17 @@ class RadixTopk:
             for d in cutlass.range_constexpr(len(DIGITS)):
                 shift, bits = DIGITS[d]
                 if settled == 0:
-                    # Two histograms, alternating: a peer may still read the previous one.
-                    hist = sHist + (d % 2) * BINS * 4
-                    self.histogram(hist, keys, lo, hi, held, prefix, mask, shift, bits, d == 0, tid)
-                    self.sync()  # every CTA's histogram is complete
-                    digit, above, inside = self.threshold(hist, sScan, sState, remaining, tid)
+                    self.histogram(
+                        sHist, keys, lo, hi, held, prefix, mask, shift, bits, d == 0, tid
+                    )
+                    counts = self.row_counts(sHist, sReduced + d * CHUNK * 4, tid)
+                    digit, above, inside = self.threshold(counts, sScan, sState, remaining, tid)
                     prefix = prefix | (digit << shift)
                     mask = mask | signed(((1 << bits) - 1) << shift)
                     remaining = remaining - above
                     settled = ptx.where_i32(inside == remaining, 1, 0)
         run_above, run_equal = self.offsets(
-            sScan, sTotals, keys, lo, hi, held, prefix, mask, part, tid
+            sCounts, sTotals, keys, lo, hi, held, prefix, mask, part, tid
         )
         self.emit(
             sScan, keys, lo, hi, held, prefix, mask, remaining, run_above, run_equal, tokens,
@@ -227,26 +245,31 @@ class RadixTopk:
         return words
 
     @cute.jit
-    def threshold(self, sHist, sScan, sState, remaining, tid):
-        """(digit, above, inside) over the cluster's histograms: the digit whose keys hold the
-        remaining-th largest, how many keys have a larger digit, and how many that digit (one
-        thread of each CTA finds it; every CTA the same)."""
-        warp, lane = tid // 32, tid % 32
-        # Every peer's bins first, then their sums: the loads overlap (one DSMEM latency).
-        bins = [sHist + (BINS_EACH * tid + i) * 4 for i in range(BINS_EACH)]
-        if cutlass.const_expr(self.cluster == 1):
-            counts = [ptx.load_shared_u32(addr) for addr in bins]
-        else:
-            seen = [
-                [index_ptx.load_cluster_u32(ptx.map_peer(addr, p)) for p in range(self.cluster)]
-                for addr in bins
-            ]
-            counts = []
+    def row_counts(self, sHist, sReduced, tid):
+        """The row's counts of bins BINS_EACH * tid ... (+ BINS_EACH): this CTA's histogram,
+        or for a cluster the sums of every CTA's, which this thread adds into the CTA
+        holding its chunk of the bins (``sReduced``: this pass's sums, zero) and reads back
+        after a cluster barrier."""
+        cute.arch.sync_threads()  # this CTA's histogram is complete
+        mine = ptx.load_shared_v4(sHist + tid * BINS_EACH * 4)
+        counts = mine
+        if cutlass.const_expr(self.cluster > 1):
+            bin_ = tid * BINS_EACH
+            sums = ptx.map_peer(sReduced + bin_ % CHUNK * 4, bin_ // CHUNK)
             for i in cutlass.range_constexpr(BINS_EACH):
-                total = seen[i][0]
-                for peer in cutlass.range_constexpr(1, self.cluster):
-                    total = total + seen[i][peer]
-                counts.append(total)
+                if mine[i] != 0:
+                    index_ptx.cluster_add(sums + i * 4, mine[i])
+            cluster_sync()  # every CTA's counts are added
+            counts = index_ptx.load_cluster_v4(sums)
+        return counts
+
+    @cute.jit
+    def threshold(self, counts, sScan, sState, remaining, tid):
+        """(digit, above, inside) from the row's histogram (``counts``: this thread's bins,
+        see row_counts): the digit whose keys hold the remaining-th largest, how many keys
+        have a larger digit, and how many that digit (one thread of each CTA finds it; every
+        CTA the same)."""
+        warp, lane = tid // 32, tid % 32
         mine = Int32(0)
         for i in cutlass.range_constexpr(BINS_EACH):
             mine = mine + counts[i]
@@ -281,7 +304,7 @@ class RadixTopk:
         ptx.store_shared_u32(sState + 8, inside)
 
     @cute.jit
-    def offsets(self, sScan, sTotals, keys, lo, hi, held, prefix, mask, part, tid):
+    def offsets(self, sCounts, sTotals, keys, lo, hi, held, prefix, mask, part, tid):
         """(above, equal): how many candidate keys above / equal to the threshold the slices
         before this CTA's hold (its taken keys' ranks start there). Arrives on the cluster
         barrier that the kernel's last wait completes."""
@@ -297,30 +320,27 @@ class RadixTopk:
             above = above + cute.arch.shuffle_sync_bfly(above, offset=1 << shift)
             equal = equal + cute.arch.shuffle_sync_bfly(equal, offset=1 << shift)
         if lane == 0:
-            ptx.store_shared_u32(sScan + warp * 4, above)
-            ptx.store_shared_u32(sScan + (WARPS + warp) * 4, equal)
+            ptx.store_shared_u32(sCounts + warp * 4, above)
+            ptx.store_shared_u32(sCounts + (WARPS + warp) * 4, equal)
         cute.arch.sync_threads()
         if tid == 0:
             above, equal = Int32(0), Int32(0)
             for w in cutlass.range_constexpr(WARPS):
-                above = above + ptx.load_shared_u32(sScan + w * 4)
-                equal = equal + ptx.load_shared_u32(sScan + (WARPS + w) * 4)
+                above = above + ptx.load_shared_u32(sCounts + w * 4)
+                equal = equal + ptx.load_shared_u32(sCounts + (WARPS + w) * 4)
             ptx.store_shared_u32(sTotals, above)
             ptx.store_shared_u32(sTotals + 4, equal)
-        self.sync()  # every CTA's counts are in place (and sScan free again)
+        self.sync()  # every CTA's counts are in place
         run_above, run_equal = Int32(0), Int32(0)
         if cutlass.const_expr(self.cluster > 1):
-            # Every peer's counts (loads overlapping), then the sums of those before this CTA.
-            counts = [
-                (
-                    index_ptx.load_cluster_u32(ptx.map_peer(sTotals, peer)),
-                    index_ptx.load_cluster_u32(ptx.map_peer(sTotals + 4, peer)),
-                )
-                for peer in range(self.cluster - 1)
-            ]
-            for peer in cutlass.range_constexpr(self.cluster - 1):
-                run_above = run_above + ptx.where_i32(peer < part, counts[peer][0], 0)
-                run_equal = run_equal + ptx.where_i32(peer < part, counts[peer][1], 0)
+            # Lane p reads the counts of peer p if it comes before this CTA; the warp sums.
+            if lane < part:
+                counts = ptx.map_peer(sTotals, lane)
+                run_above = index_ptx.load_cluster_u32(counts)
+                run_equal = index_ptx.load_cluster_u32(counts + 4)
+            for shift in cutlass.range_constexpr(5):
+                run_above = run_above + cute.arch.shuffle_sync_bfly(run_above, offset=1 << shift)
+                run_equal = run_equal + cute.arch.shuffle_sync_bfly(run_equal, offset=1 << shift)
             cute.arch.cluster_arrive_relaxed()  # this CTA is done reading its peers' counts
         return run_above, run_equal
 
