@@ -43,7 +43,7 @@ constexpr int64_t kScoreSmemFixed = 4 * 8192 + 2 * 4 * 64 * 4;
 constexpr int64_t kScoreSmemPerQueryTile = 8192 + 64 * 4;
 constexpr int64_t kMaxQueryTiles = 16;
 constexpr unsigned int kTopkThreads = 512;
-constexpr unsigned int kTopkSmem = 2048 * 4 + 3 * 256 * 4 + 2 * 2 * 16 * 4 + 16 + 16;
+constexpr unsigned int kTopkSmem = 2048 * 4 + 3 * 1024 * 4 + 2 * 2 * 16 * 4 + 16 + 16;
 constexpr int64_t kMaxGridY = 65535;
 
 struct IndexSpec {

@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
 
+from jax_sparse_mla import index_lowering
 from jax_sparse_mla.kernel import compile as kernel_compile
 from jax_sparse_mla.kernel.config import KernelUnavailableError
 from jax_sparse_mla.kernel.index import compile as index_compile
@@ -139,6 +140,9 @@ def test_sass(cubin_path, kernel):
     usage = _dump("--dump-resource-usage", cubin_path)
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     assert registers <= 65536 // kernel.threads, usage  # one CTA's threads fit an SM
+    if kernel.stage == "scores":  # the grid rule's resident CTAs fit the register file
+        allocated = -(-registers // 8) * 8
+        assert allocated * kernel.threads * index_lowering.MAX_CTAS_PER_SM <= 65536, usage
     assert "STACK:0" in usage and "LOCAL:0" in usage, usage
 
 

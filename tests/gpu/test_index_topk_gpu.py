@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 
 import jax_sparse_mla
-from jax_sparse_mla import index_validation
+from jax_sparse_mla import index_lowering, index_validation
+from jax_sparse_mla.kernel.index.config import TOPK_CLUSTERS
 
 pytestmark = pytest.mark.gpu
 
@@ -140,6 +141,39 @@ def test_exact_inputs_equal_the_reference(case):
     lengths = np.asarray(lengths, np.int32)
     kernel = _run(q, weights, keys, scales, table, lengths, top_k, "cute")
     reference = _run(q, weights, keys, scales, table, lengths, top_k, "reference")
+    np.testing.assert_array_equal(kernel, reference)
+
+
+@pytest.mark.parametrize("cluster", TOPK_CLUSTERS)
+def test_every_top_k_cluster_size_equals_the_reference(cluster, monkeypatch):
+    """Each top-k cubin, whatever the row count would pick: slices of one and of several
+    steps of keys, rows shorter and longer than top_k, ties across the slices."""
+    monkeypatch.setattr(index_lowering, "topk_cluster", lambda rows, sm_count: cluster)
+    for batch, steps, capacity, top_k, lengths in (
+        (2, 2, 40000, 2048, [40000, 17000]),
+        (3, 1, 3000, 512, [3000, 400, 1]),
+    ):
+        rng = np.random.default_rng(capacity + cluster)
+        q, weights, keys, scales, table = _inputs(
+            rng, batch, steps, 64, capacity, paged=True, integer=True
+        )
+        lengths = np.asarray(lengths, np.int32)
+        kernel = _run(q, weights, keys, scales, table, lengths, top_k, "cute")
+        reference = _run(q, weights, keys, scales, table, lengths, top_k, "reference")
+        np.testing.assert_array_equal(kernel, reference)
+
+
+@pytest.mark.parametrize("block_size", [16, 48, 128])
+def test_block_sizes_equal_the_reference(block_size):
+    """Blocks of part of a key tile, of a tile and a half (rows of a tile in two blocks),
+    of two whole tiles (the scores kernel's one-entry-per-tile path)."""
+    rng = np.random.default_rng(block_size)
+    q, weights, keys, scales, table = _inputs(
+        rng, 2, 3, 64, 5000, paged=True, block_size=block_size, integer=True
+    )
+    lengths = np.asarray([5000, 2100], np.int32)
+    kernel = _run(q, weights, keys, scales, table, lengths, 1024, "cute")
+    reference = _run(q, weights, keys, scales, table, lengths, 1024, "reference")
     np.testing.assert_array_equal(kernel, reference)
 
 

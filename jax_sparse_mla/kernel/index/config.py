@@ -33,7 +33,7 @@ SCORE_SMEM_MAX = SCORE_SMEM_FIXED + MAX_QUERY_TILES * SCORE_SMEM_PER_QUERY_TILE
 
 # ---- top-k (topk.py) ----------------------------------------------------------------------
 TOPK_THREADS = 512  # per CTA (128 registers per thread: no spills)
-TOPK_CLUSTERS = (1, 8)  # CTAs per verify row (a cluster), each taking a slice of its keys
+TOPK_CLUSTERS = (1, 2, 4, 8)  # CTAs per verify row (a cluster), each taking a slice of its keys
 WARPS = TOPK_THREADS // 32
 BINS = 2048  # radix digits of 11, 11 and 10 bits of the order key
 DIGITS = ((21, 11), (10, 11), (0, 10))  # (shift, bits) of each pass, most significant first
@@ -41,8 +41,9 @@ VECTORS = 4  # 16-byte loads in flight per thread and pass step
 ELEMENTS = VECTORS * 4  # consecutive order keys per thread and step
 STEP = TOPK_THREADS * ELEMENTS  # order keys per pass step (< 2**15: the scan's packing)
 assert STEP < 2**15
-CHUNK = BINS // max(TOPK_CLUSTERS)  # bins whose cluster-wide sums one CTA of a cluster holds
-# Static layout: [BINS] u32 this CTA's histogram; [len(DIGITS), CHUNK] u32 the cluster-wide
+# Bins whose cluster-wide sums one CTA of a cluster holds: BINS / cluster, at most MAX_CHUNK.
+MAX_CHUNK = BINS // min(c for c in TOPK_CLUSTERS if c > 1)
+# Static layout: [BINS] u32 this CTA's histogram; [len(DIGITS), chunk] u32 the cluster-wide
 # sums of this CTA's chunk of bins, one buffer per pass (the peers add into them, so none is
 # reused); [2, WARPS] u32 scan partials; [2, WARPS] u32 the warps' counts of taken keys
 # (apart from the scan's: the write pass reuses those right after a cluster barrier only);
@@ -50,7 +51,7 @@ CHUNK = BINS // max(TOPK_CLUSTERS)  # bins whose cluster-wide sums one CTA of a 
 # the cluster's later CTAs.
 HIST_OFFSET = 0
 REDUCED_OFFSET = HIST_OFFSET + BINS * 4
-SCAN_OFFSET = REDUCED_OFFSET + len(DIGITS) * CHUNK * 4
+SCAN_OFFSET = REDUCED_OFFSET + len(DIGITS) * MAX_CHUNK * 4
 COUNTS_OFFSET = SCAN_OFFSET + 2 * WARPS * 4
 STATE_OFFSET = COUNTS_OFFSET + 2 * WARPS * 4
 TOTALS_OFFSET = STATE_OFFSET + 16

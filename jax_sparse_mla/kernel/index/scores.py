@@ -159,19 +159,23 @@ class IndexScores:
                 index_ptx.cp_async_4(sWeights + i * 4, w_base + Int64(i) * 4, 4)
             table = mTable.toint() + Int64(b) * max_blocks * 4
             capacity = max_blocks * block_size
+            # Blocks of whole key tiles (block_size % TOKENS == 0, as in DeepSeek V3.2's
+            # cache): one table entry per tile and no per-row division (the integer divisions
+            # of the general rows were most of this kernel's instructions).
+            whole = block_size % TOKENS == 0
             # The block-table entries of a tile's rows are read one tile ahead of its copies,
             # so that their latency never stalls the loop.
             blocks = cute.make_rmem_tensor((LOOKUPS,), Int32)
             for s in cutlass.range_constexpr(STAGES - 1):
-                self.lookup(table, capacity, block_size, first + s, tid, blocks)
+                self.lookup(table, capacity, block_size, whole, first + s, tid, blocks)
                 if s < count:
                     self.load_tile(
-                        mKeys, mKeyScales, capacity, block_size, num_blocks, first + s,
+                        mKeys, mKeyScales, capacity, block_size, num_blocks, whole, first + s,
                         blocks, sKeys + s * TILE_BYTES, sScales + s * TOKENS * 4,
                         sLive + s * TOKENS * 4, tid,
                     )  # fmt: skip
                 index_ptx.cp_async_commit()
-            self.lookup(table, capacity, block_size, first + STAGES - 1, tid, blocks)
+            self.lookup(table, capacity, block_size, whole, first + STAGES - 1, tid, blocks)
             out = mOrder.toint() + Int64(b) * steps * pitch * 4
             for i in cutlass.range(count, unroll=1):
                 index_ptx.cp_async_wait(STAGES - 2)  # tile i (and the queries) landed
@@ -181,12 +185,12 @@ class IndexScores:
                 if ahead < count:
                     stage = ahead % STAGES
                     self.load_tile(
-                        mKeys, mKeyScales, capacity, block_size, num_blocks, first + ahead,
+                        mKeys, mKeyScales, capacity, block_size, num_blocks, whole, first + ahead,
                         blocks, sKeys + stage * TILE_BYTES, sScales + stage * TOKENS * 4,
                         sLive + stage * TOKENS * 4, tid,
                     )  # fmt: skip
                 index_ptx.cp_async_commit()
-                self.lookup(table, capacity, block_size, first + ahead + 1, tid, blocks)
+                self.lookup(table, capacity, block_size, whole, first + ahead + 1, tid, blocks)
                 stage = i % STAGES
                 self.score_tile(
                     sKeys + stage * TILE_BYTES, sScales + stage * TOKENS * 4,
@@ -197,15 +201,21 @@ class IndexScores:
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def lookup(self, table, capacity, block_size, tile, tid, blocks):
+    def lookup(self, table, capacity, block_size, whole, tile, tid, blocks):
         """Starts the reads of the block-table entries of this thread's rows of key tile
-        ``tile`` into ``blocks`` (its LOADS copy rows, then its scale row; 0 outside the
-        capacity), consumed by the next load_tile."""
-        for i in cutlass.range_constexpr(LOOKUPS):
-            position = tile * TOKENS + self.row(tid, i)
-            inside = position < capacity
-            entry = table + Int64(position // block_size) * 4
-            blocks[i] = ptx.load_global_i32_if(inside, entry)
+        ``tile`` into ``blocks`` (0 outside the capacity), consumed by the next load_tile:
+        with ``whole`` (blocks of whole tiles) the tile's one entry, else its LOADS copy
+        rows', then its scale row's."""
+        if whole:
+            position = tile * TOKENS
+            blocks[0] = ptx.load_global_i32_if(
+                position < capacity, table + Int64(position // block_size) * 4
+            )
+        else:
+            for i in cutlass.range_constexpr(LOOKUPS):
+                position = tile * TOKENS + self.row(tid, i)
+                entry = table + Int64(position // block_size) * 4
+                blocks[i] = ptx.load_global_i32_if(position < capacity, entry)
 
     @cute.jit
     def row(self, tid, i: int):
@@ -217,69 +227,108 @@ class IndexScores:
 
     @cute.jit
     def load_tile(
-        self, mKeys, mKeyScales, capacity, block_size, num_blocks, tile, blocks, sK, sS, sL, tid
-    ):
+        self, mKeys, mKeyScales, capacity, block_size, num_blocks, whole, tile, blocks, sK, sS,
+        sL, tid,
+    ):  # fmt: skip
         """cp.async of key tile ``tile`` (its rows through the block-table entries
         ``blocks``, zero-filled where the block is outside the cache) into sK, its key scales
         into sS and live flags into sL."""
-        for i in cutlass.range_constexpr(LOADS):
-            flat = tid + SCORE_THREADS * i
-            row, piece = flat // PIECES, flat % PIECES
+        start = tile * TOKENS
+        start_offset = start % block_size  # of the tile's first row in its block
+        for i in cutlass.range_constexpr(LOOKUPS):
+            row = self.row(tid, i)
             src, live = self.key_row(
-                capacity, block_size, num_blocks, tile * TOKENS + row, blocks[i]
+                capacity, block_size, num_blocks, whole, start, start_offset, row, blocks, i
             )
-            addr = mKeys.toint() + ptx.where_i64(live, src * DIM + piece * 16, 0)
-            index_ptx.cp_async_16(sK + swizzled(row, piece), addr, ptx.where_i32(live, 16, 0))
-        if tid < TOKENS:
-            src, live = self.key_row(
-                capacity, block_size, num_blocks, tile * TOKENS + tid, blocks[LOADS]
-            )
-            addr = mKeyScales.toint() + ptx.where_i64(live, src * 4, 0)
-            index_ptx.cp_async_4(sS + tid * 4, addr, ptx.where_i32(live, 4, 0))
-            ptx.store_shared_u32(sL + tid * 4, ptx.where_i32(live, 1, 0))
+            if cutlass.const_expr(i < LOADS):
+                piece = (tid + SCORE_THREADS * i) % PIECES
+                addr = mKeys.toint() + ptx.where_i64(live, src * DIM + piece * 16, 0)
+                index_ptx.cp_async_16(sK + swizzled(row, piece), addr, ptx.where_i32(live, 16, 0))
+            elif tid < TOKENS:
+                addr = mKeyScales.toint() + ptx.where_i64(live, src * 4, 0)
+                index_ptx.cp_async_4(sS + row * 4, addr, ptx.where_i32(live, 4, 0))
+                ptx.store_shared_u32(sL + row * 4, ptx.where_i32(live, 1, 0))
 
     @cute.jit
-    def key_row(self, capacity, block_size, num_blocks, position, block):
-        """(flat cache row as Int64, live) of a request's token position in block
-        ``block``."""
+    def key_row(
+        self, capacity, block_size, num_blocks, whole, start, start_offset, row, blocks, i: int
+    ):
+        """(flat cache row as Int64, live) of token ``start + row`` of a request (``start``:
+        its tile's first, at ``start_offset`` in its block), whose block is ``blocks[0]``
+        with ``whole`` (a tile's rows share a block), else ``blocks[i]``."""
+        position = start + row
+        block = blocks[i]
+        offset = Int32(0)
+        if whole:
+            block = blocks[0]
+            offset = start_offset + row
+        else:
+            offset = position % block_size
         live = (position < capacity) & (block >= 0) & (block < num_blocks)
-        return Int64(block) * block_size + position % block_size, live
+        return Int64(block) * block_size + offset, live
 
     @cute.jit
     def score_tile(
         self, sK, sS, sL, sQuery, sWeights, steps, head_tiles, out, pitch, position, tid
     ):
-        """Every verify row's order keys of one key tile (tokens ``position`` ..)."""
+        """Every verify row's order keys of one key tile (tokens ``position`` ..). The T x G
+        (verify row, head tile) units go two at a time: the second's MMAs run during the
+        first's epilogue (an odd count's last pair repeats its unit and drops the copy)."""
+        units = steps * head_tiles
+        totals = cute.make_rmem_tensor((2,), Float32)
+        totals.fill(0.0)
+        for unit in cutlass.range(0, units, 2, unroll=1):
+            second = min(unit + 1, units - 1)
+            # Accumulators written (pinned: not rematerialised between the groups) and
+            # fenced before either group: the second need not wait for the first.
+            zeros = ptx.pin_f32([Float32(0.0)] * (2 * ACC))
+            ptx.wgmma_fence()
+            s0 = self.mma(sK, sQuery, unit, zeros[:ACC])
+            s1 = self.mma(sK, sQuery, second, zeros[ACC:])
+            ptx.wgmma_wait(1)
+            self.epilogue(ptx.pin_f32(s0), totals, sS, sL, sWeights, head_tiles, out, pitch,
+                          position, unit, tid)  # fmt: skip
+            ptx.wgmma_wait(0)
+            s1 = ptx.pin_f32(s1)
+            if second > unit:
+                self.epilogue(s1, totals, sS, sL, sWeights, head_tiles, out, pitch, position,
+                              second, tid)  # fmt: skip
+
+    @cute.jit
+    def mma(self, sK, sQuery, unit, s):
+        """S = K Q^T of the key tile and query tile ``unit`` (verify row t, head tile g at
+        t * G + g), issued as one wgmma group (``s``: the accumulators, overwritten)."""
+        sQ = sQuery + unit * TILE_BYTES
+        for k in cutlass.range_constexpr(K_STEPS):
+            s = index_ptx.wgmma_e4m3_ss(
+                s,
+                ptx.smem_descriptor(sK + 32 * k, 16, 8 * DIM, SWIZZLE_128B),
+                ptx.smem_descriptor(sQ + 32 * k, 16, 8 * DIM, SWIZZLE_128B),
+                k > 0,
+            )
+        ptx.wgmma_commit()
+        return s
+
+    @cute.jit
+    def epilogue(
+        self, s, totals, sS, sL, sWeights, head_tiles, out, pitch, position, unit, tid
+    ):  # fmt: skip
+        """Adds sum_h w[t, h] relu(S) of one unit's head tile to ``totals`` (this thread's two
+        tokens); after a verify row's last head tile, its tokens' order keys leave."""
         warp, lane = tid // 32, tid % 32
         quad = lane % 4
-        heads = head_tiles * HEADS
-        totals = cute.make_rmem_tensor((2,), Float32)
-        for t in cutlass.range(steps, unroll=1):
-            totals.fill(0.0)
-            for g in cutlass.range(head_tiles, unroll=1):
-                sQ = sQuery + (t * head_tiles + g) * TILE_BYTES
-                ptx.wgmma_fence()
-                s = [Float32(0.0)] * ACC
-                for k in cutlass.range_constexpr(K_STEPS):
-                    s = index_ptx.wgmma_e4m3_ss(
-                        s,
-                        ptx.smem_descriptor(sK + 32 * k, 16, 8 * DIM, SWIZZLE_128B),
-                        ptx.smem_descriptor(sQ + 32 * k, 16, 8 * DIM, SWIZZLE_128B),
-                        k > 0,
-                    )
-                ptx.wgmma_commit()
-                ptx.wgmma_wait(0)
-                s = ptx.pin_f32(s)
-                # Value v: token 16 warp + lane / 4 + 8 ((v / 2) % 2), head 8 (v / 4) + 2 quad
-                # + v % 2 of this head tile.
-                w_row = sWeights + (t * heads + g * HEADS) * 4
-                for j in cutlass.range_constexpr(ACC // 4):
-                    # Heads 8 j + 2 quad (+ 1) of this tile, for both of the thread's tokens.
-                    w0, w1 = ptx.load_shared_v2_f32(w_row + (8 * j + 2 * quad) * 4)
-                    for r in cutlass.range_constexpr(2):
-                        low = index_ptx.relu_nan(s[4 * j + 2 * r])
-                        high = index_ptx.relu_nan(s[4 * j + 2 * r + 1])
-                        totals[r] = totals[r] + w0 * low + w1 * high
+        t, g = unit // head_tiles, unit % head_tiles
+        # Value v: token 16 warp + lane / 4 + 8 ((v / 2) % 2), head 8 (v / 4) + 2 quad + v % 2
+        # of this head tile.
+        w_row = sWeights + (t * head_tiles + g) * HEADS * 4
+        for j in cutlass.range_constexpr(ACC // 4):
+            # Heads 8 j + 2 quad (+ 1) of this tile, for both of the thread's tokens.
+            w0, w1 = ptx.load_shared_v2_f32(w_row + (8 * j + 2 * quad) * 4)
+            for r in cutlass.range_constexpr(2):
+                low = index_ptx.relu_nan(s[4 * j + 2 * r])
+                high = index_ptx.relu_nan(s[4 * j + 2 * r + 1])
+                totals[r] = totals[r] + w0 * low + w1 * high
+        if g == head_tiles - 1:
             for r in cutlass.range_constexpr(2):
                 total = totals[r]
                 for shift in cutlass.range_constexpr(2):
@@ -290,3 +339,4 @@ class IndexScores:
                     key = order_key(score, ptx.load_shared_u32(sL + row * 4))
                     dst = out + (Int64(t) * pitch + position + row) * 4
                     ptx.store_global_b32(dst, key)
+            totals.fill(0.0)

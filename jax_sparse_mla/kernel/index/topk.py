@@ -1,7 +1,8 @@
 """The exact top-k of the indexer's scores: a radix select on their order keys (sm_90a), in
 CuTe DSL.
 
-A cluster of C CTAs per verify row (grid: C * T, B; C = 8 for few rows, else 1), CTA r taking the
+A cluster of C CTAs per verify row (grid: C * T, B; C in TOPK_CLUSTERS, the largest whose grid
+fits one wave: index_lowering.topk_cluster), CTA r taking the
 r-th slice of the row's ``n = limits[b, t]`` order keys (written by ``scores.py``; unsigned
 order = the selection's order, 0 = no candidate). Where n > top_k, up to three histogram
 passes over the keys' 11, 11 and 10-bit digits (most significant first) narrow the threshold
@@ -34,7 +35,6 @@ from jax_sparse_mla.kernel import ptx
 from jax_sparse_mla.kernel.index import ptx as index_ptx
 from jax_sparse_mla.kernel.index.config import (
     BINS,
-    CHUNK,
     COUNTS_OFFSET,
     DIGITS,
     ELEMENTS,
@@ -53,8 +53,6 @@ from jax_sparse_mla.kernel.index.config import (
 SIGN = -(2**31)
 BINS_EACH = BINS // TOPK_THREADS  # histogram bins per thread: one 16-byte vector
 assert BINS_EACH == 4
-REDUCED_VECTORS = len(DIGITS) * CHUNK // 4  # 16-byte vectors of the cluster-wide sums
-assert REDUCED_VECTORS <= TOPK_THREADS
 
 
 def signed(value: int) -> int:
@@ -87,8 +85,8 @@ class RadixTopk:
     CTAs per row."""
 
     def __init__(self, cluster: int):
-        assert cluster == 1 or BINS // cluster == CHUNK
         self.cluster = cluster
+        self.chunk = BINS // cluster  # bins whose cluster-wide sums each CTA holds
 
     @cute.jit
     def sync(self):
@@ -139,8 +137,10 @@ class RadixTopk:
         if cutlass.const_expr(self.cluster > 1):
             # The peers add into the sums of every pass: zero before the cluster barrier
             # that the wait below completes.
-            if tid < REDUCED_VECTORS:
-                ptx.store_shared_v4(sReduced + tid * 16, 0, 0, 0, 0)
+            vectors = len(DIGITS) * self.chunk // 4
+            for i in cutlass.range_constexpr(-(-vectors // TOPK_THREADS)):
+                if tid + i * TOPK_THREADS < vectors:
+                    ptx.store_shared_v4(sReduced + (tid + i * TOPK_THREADS) * 16, 0, 0, 0, 0)
             cute.arch.cluster_arrive()
         cute.arch.griddepcontrol_wait()
 
@@ -178,7 +178,7 @@ class RadixTopk:
                     self.histogram(
                         sHist, keys, lo, hi, held, prefix, mask, shift, bits, d == 0, tid
                     )
-                    counts = self.row_counts(sHist, sReduced + d * CHUNK * 4, tid)
+                    counts = self.row_counts(sHist, sReduced + d * self.chunk * 4, tid)
                     digit, above, inside = self.threshold(counts, sScan, sState, remaining, tid)
                     prefix = prefix | (digit << shift)
                     mask = mask | signed(((1 << bits) - 1) << shift)
@@ -255,7 +255,7 @@ class RadixTopk:
         counts = mine
         if cutlass.const_expr(self.cluster > 1):
             bin_ = tid * BINS_EACH
-            sums = ptx.map_peer(sReduced + bin_ % CHUNK * 4, bin_ // CHUNK)
+            sums = ptx.map_peer(sReduced + bin_ % self.chunk * 4, bin_ // self.chunk)
             for i in cutlass.range_constexpr(BINS_EACH):
                 if mine[i] != 0:
                     index_ptx.cluster_add(sums + i * 4, mine[i])
