@@ -40,19 +40,22 @@ def cp_async_wait(pending: int, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def wgmma_e4m3_ss(acc, desc_a, desc_b, accumulate, *, loc=None, ip=None) -> list:
-    """wgmma m64nNk32 E4M3 x E4M3 + F32 (N = 2 len(acc)), both operands K-major in shared
-    memory; ``accumulate`` (a runtime or static bool) False zeroes acc first."""
-    n = len(acc)
+def wgmma_e4m3_ss(acc, desc_a, desc_b, *, n=None, loc=None, ip=None) -> list:
+    """wgmma m64nNk32 E4M3 x E4M3 + F32, both operands K-major in shared memory: acc + A B,
+    or with ``acc`` None A B into ``n`` fresh accumulators (N = 2n; none read, so none need
+    writing first)."""
+    n = len(acc) if acc is not None else n
     outs = ",".join(f"${i}" for i in range(n))
+    scale_d = 0 if acc is None else 1  # wgmma's predicate: add the accumulators or not
     code = (
-        f"{{ .reg .pred p; setp.ne.b32 p, ${n + 2}, 0; "
+        f"{{ .reg .pred p; setp.ne.b32 p, {scale_d}, 0; "
         f"wgmma.mma_async.sync.aligned.m64n{2 * n}k32.f32.e4m3.e4m3 "
         f"{{{outs}}}, ${n}, ${n + 1}, p, 1, 1; }}"
     )
-    constraints = ",".join(["=f"] * n + ["l", "l", "r"] + [str(i) for i in range(n)])
-    operands = [_i64(desc_a, loc, ip), _i64(desc_b, loc, ip), _i32(Int32(accumulate), loc, ip)]
-    operands += [_f32(v, loc, ip) for v in acc]
+    tied = [] if acc is None else [str(i) for i in range(n)]
+    constraints = ",".join(["=f"] * n + ["l", "l"] + tied)
+    operands = [_i64(desc_a, loc, ip), _i64(desc_b, loc, ip)]
+    operands += [] if acc is None else [_f32(v, loc, ip) for v in acc]
     return [Float32(v) for v in _asm([T.f32()] * n, operands, code, constraints, True, loc, ip)]
 
 

@@ -140,42 +140,47 @@ class IndexScores:
         x, b, _ = cute.arch.block_idx()
         cute.arch.griddepcontrol_wait()
 
-        limits = mLimits.toint() + Int64(b) * steps * 4
-        longest = Int32(0)
-        for t in cutlass.range(steps, unroll=1):
-            longest = max(longest, ptx.load_global_i32(limits + t * 4))
+        # The prologue's reads are independent of each other: the row limits (one lane per
+        # verify row: T <= MAX_QUERY_TILES <= 32), the first tiles' block-table entries and
+        # the queries all go out before any is waited on (one round trip, not a chain).
         first = x * span
+        lane = tid % 32
+        limits = mLimits.toint() + Int64(b) * steps * 4
+        longest = ptx.load_global_i32_if(lane < steps, limits + lane * 4)
+        table = mTable.toint() + Int64(b) * max_blocks * 4
+        capacity = max_blocks * block_size
+        # Blocks of whole key tiles (block_size % TOKENS == 0, as in DeepSeek V3.2's cache):
+        # one table entry per tile and no per-row division.
+        whole = block_size % TOKENS == 0
+        # A tile's block-table entries are read one tile ahead of its copies (the first
+        # STAGES - 1 tiles' all at once), so that their latency never stalls the loop.
+        starts = [cute.make_rmem_tensor((LOOKUPS,), Int32) for _ in range(STAGES - 1)]
+        for s in cutlass.range_constexpr(STAGES - 1):
+            self.lookup(table, capacity, block_size, whole, first + s, tid, starts[s])
+        blocks = cute.make_rmem_tensor((LOOKUPS,), Int32)
+        self.lookup(table, capacity, block_size, whole, first + STAGES - 1, tid, blocks)
+        # The request's query tiles and weights (contiguous in global memory).
+        q_base = mQ.toint() + Int64(b) * query_tiles * TILE_BYTES
+        for i in cutlass.range(tid, query_tiles * TILE_PIECES, SCORE_THREADS, unroll=1):
+            tile, piece = i // TILE_PIECES, i % TILE_PIECES
+            dst = sQuery + tile * TILE_BYTES + swizzled(piece // PIECES, piece % PIECES)
+            index_ptx.cp_async_16(dst, q_base + Int64(i) * 16, 16)
+        w_base = mWeights.toint() + Int64(b) * steps * heads * 4
+        for i in cutlass.range(tid, steps * heads, SCORE_THREADS, unroll=1):
+            index_ptx.cp_async_4(sWeights + i * 4, w_base + Int64(i) * 4, 4)
+        for shift in cutlass.range_constexpr(5):
+            longest = max(longest, cute.arch.shuffle_sync_bfly(longest, offset=1 << shift))
         count = max(min(span, (longest + TOKENS - 1) // TOKENS - first), 0)
 
         if count > 0:
-            # The request's query tiles and weights (contiguous in global memory).
-            q_base = mQ.toint() + Int64(b) * query_tiles * TILE_BYTES
-            for i in cutlass.range(tid, query_tiles * TILE_PIECES, SCORE_THREADS, unroll=1):
-                tile, piece = i // TILE_PIECES, i % TILE_PIECES
-                dst = sQuery + tile * TILE_BYTES + swizzled(piece // PIECES, piece % PIECES)
-                index_ptx.cp_async_16(dst, q_base + Int64(i) * 16, 16)
-            w_base = mWeights.toint() + Int64(b) * steps * heads * 4
-            for i in cutlass.range(tid, steps * heads, SCORE_THREADS, unroll=1):
-                index_ptx.cp_async_4(sWeights + i * 4, w_base + Int64(i) * 4, 4)
-            table = mTable.toint() + Int64(b) * max_blocks * 4
-            capacity = max_blocks * block_size
-            # Blocks of whole key tiles (block_size % TOKENS == 0, as in DeepSeek V3.2's
-            # cache): one table entry per tile and no per-row division (the integer divisions
-            # of the general rows were most of this kernel's instructions).
-            whole = block_size % TOKENS == 0
-            # The block-table entries of a tile's rows are read one tile ahead of its copies,
-            # so that their latency never stalls the loop.
-            blocks = cute.make_rmem_tensor((LOOKUPS,), Int32)
             for s in cutlass.range_constexpr(STAGES - 1):
-                self.lookup(table, capacity, block_size, whole, first + s, tid, blocks)
                 if s < count:
                     self.load_tile(
                         mKeys, mKeyScales, capacity, block_size, num_blocks, whole, first + s,
-                        blocks, sKeys + s * TILE_BYTES, sScales + s * TOKENS * 4,
+                        starts[s], sKeys + s * TILE_BYTES, sScales + s * TOKENS * 4,
                         sLive + s * TOKENS * 4, tid,
                     )  # fmt: skip
                 index_ptx.cp_async_commit()
-            self.lookup(table, capacity, block_size, whole, first + STAGES - 1, tid, blocks)
             out = mOrder.toint() + Int64(b) * steps * pitch * 4
             for i in cutlass.range(count, unroll=1):
                 index_ptx.cp_async_wait(STAGES - 2)  # tile i (and the queries) landed
@@ -197,7 +202,8 @@ class IndexScores:
                     sLive + stage * TOKENS * 4, sQuery, sWeights, steps, head_tiles, out,
                     pitch, (first + i) * TOKENS, tid,
                 )  # fmt: skip
-            index_ptx.cp_async_wait(0)
+        index_ptx.cp_async_commit()  # the queries' copies where no tile was loaded
+        index_ptx.cp_async_wait(0)
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
@@ -277,47 +283,53 @@ class IndexScores:
         units = steps * head_tiles
         totals = cute.make_rmem_tensor((2,), Float32)
         totals.fill(0.0)
+        t, g = Int32(0), Int32(0)  # the pair's first unit's verify row and head tile
         for unit in cutlass.range(0, units, 2, unroll=1):
             second = min(unit + 1, units - 1)
-            # Accumulators written (pinned: not rematerialised between the groups) and
-            # fenced before either group: the second need not wait for the first.
-            zeros = ptx.pin_f32([Float32(0.0)] * (2 * ACC))
-            ptx.wgmma_fence()
-            s0 = self.mma(sK, sQuery, unit, zeros[:ACC])
-            s1 = self.mma(sK, sQuery, second, zeros[ACC:])
+            t1, g1 = self.next_unit(t, g, head_tiles)
+            ptx.wgmma_fence()  # both groups in flight: the second need not wait for the first
+            s0 = self.mma(sK, sQuery, unit)
+            s1 = self.mma(sK, sQuery, second)
             ptx.wgmma_wait(1)
             self.epilogue(ptx.pin_f32(s0), totals, sS, sL, sWeights, head_tiles, out, pitch,
-                          position, unit, tid)  # fmt: skip
+                          position, t, g, tid)  # fmt: skip
             ptx.wgmma_wait(0)
             s1 = ptx.pin_f32(s1)
             if second > unit:
                 self.epilogue(s1, totals, sS, sL, sWeights, head_tiles, out, pitch, position,
-                              second, tid)  # fmt: skip
+                              t1, g1, tid)  # fmt: skip
+            t, g = self.next_unit(t1, g1, head_tiles)
 
     @cute.jit
-    def mma(self, sK, sQuery, unit, s):
+    def next_unit(self, t, g, head_tiles):
+        """(verify row, head tile) of the unit after (t, g)."""
+        last = g == head_tiles - 1
+        return ptx.where_i32(last, t + 1, t), ptx.where_i32(last, 0, g + 1)
+
+    @cute.jit
+    def mma(self, sK, sQuery, unit):
         """S = K Q^T of the key tile and query tile ``unit`` (verify row t, head tile g at
-        t * G + g), issued as one wgmma group (``s``: the accumulators, overwritten)."""
+        t * G + g), issued as one wgmma group."""
         sQ = sQuery + unit * TILE_BYTES
+        s = None
         for k in cutlass.range_constexpr(K_STEPS):
             s = index_ptx.wgmma_e4m3_ss(
                 s,
                 ptx.smem_descriptor(sK + 32 * k, 16, 8 * DIM, SWIZZLE_128B),
                 ptx.smem_descriptor(sQ + 32 * k, 16, 8 * DIM, SWIZZLE_128B),
-                k > 0,
+                n=ACC,
             )
         ptx.wgmma_commit()
         return s
 
     @cute.jit
     def epilogue(
-        self, s, totals, sS, sL, sWeights, head_tiles, out, pitch, position, unit, tid
+        self, s, totals, sS, sL, sWeights, head_tiles, out, pitch, position, t, g, tid
     ):  # fmt: skip
-        """Adds sum_h w[t, h] relu(S) of one unit's head tile to ``totals`` (this thread's two
-        tokens); after a verify row's last head tile, its tokens' order keys leave."""
+        """Adds sum_h w[t, h] relu(S) of head tile g of verify row t to ``totals`` (this
+        thread's two tokens); after the row's last head tile, its tokens' order keys leave."""
         warp, lane = tid // 32, tid % 32
         quad = lane % 4
-        t, g = unit // head_tiles, unit % head_tiles
         # Value v: token 16 warp + lane / 4 + 8 ((v / 2) % 2), head 8 (v / 4) + 2 quad + v % 2
         # of this head tile.
         w_row = sWeights + (t * head_tiles + g) * HEADS * 4
