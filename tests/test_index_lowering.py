@@ -467,6 +467,16 @@ def test_span_grows_with_the_work_and_shrinks_with_the_gpu():
         assert _span(batch, steps, head_tiles, capacity, sms + 1) <= span
 
 
+@pytest.mark.parametrize(
+    ("rows", "cluster"), [(1, 8), (16, 8), (17, 4), (33, 4), (34, 2), (66, 2), (67, 1), (5000, 1)]
+)
+def test_topk_cluster_is_the_largest_that_fits_one_wave(rows, cluster):
+    """On 132 SMs (one top-k CTA resident per SM): rows x cluster CTAs fit, twice as many do
+    not, and more rows than SMs run one CTA each."""
+    assert index_lowering.topk_cluster(rows, 132) == cluster
+    assert cluster == 1 or rows * cluster <= 132 < rows * cluster * 2 or cluster == 8
+
+
 def test_ffi_mirrors_the_kernels_static_sizes():
     """ffi/index_topk_ffi.cc restates the launch sizes of config.py (the cubins carry none):
     a layout change on one side only would launch with the wrong shared memory."""
