@@ -90,57 +90,80 @@ def get_kernel(
     """The compiled kernel of ``config``: from memory, the shipped cubins, the disk cache
     (``cache_dir`` or the default), or the DSL. An explicit ``cache_dir`` skips memory and
     shipped cubins (the ahead-of-time command fills it)."""
+    return cached_kernel(
+        config,
+        config.slug,
+        lambda meta: (
+            meta.get("config") == dataclasses.asdict(config) and meta.get("params") == list(PARAMS)
+        ),
+        source_fingerprint,
+        compile_kernel,
+        _MEMORY,
+        cache_dir,
+    )
+
+
+def cached_kernel(key, slug: str, matches, fingerprint_of, compile_of, memory: dict, cache_dir):
+    """The lookup of both kernel families: ``key``'s cubin (files named ``slug``) from
+    ``memory`` (this process's), the shipped cubins, the disk cache (``cache_dir`` or the
+    default), or ``compile_of(key, fingerprint, version)`` with the DSL, stored in the disk
+    cache. An entry is read only where ``matches(meta)`` (its metadata names ``key``);
+    ``fingerprint_of()`` hashes the family's sources. An explicit ``cache_dir`` skips memory
+    and shipped cubins."""
     with _LOCK:
-        if config in _MEMORY and cache_dir is None:
-            return _MEMORY[config]
+        if key in memory and cache_dir is None:
+            return memory[key]
         directory = pathlib.Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        fingerprint, version = source_fingerprint(), dsl_version()
+        fingerprint, version = fingerprint_of(), dsl_version()
         shipped = shipped_dir() if cache_dir is None else None
-        kernel = _load(shipped, config, fingerprint, None) if shipped is not None else None
+        kernel = None
+        if shipped is not None:
+            kernel = _load(shipped, slug, matches, fingerprint, None)
         if kernel is None:
-            kernel = _load(directory, config, fingerprint, version)
+            kernel = _load(directory, slug, matches, fingerprint, version)
         if kernel is None:
             if version is None:
                 raise KernelUnavailableError(
-                    f"no cubin for {config} (fingerprint {fingerprint}): none shipped in the "
+                    f"no cubin for {slug} (fingerprint {fingerprint}): none shipped in the "
                     f"installed package ({shipped or 'no ' + SHIPPED_DIR + ' folder'}), none "
                     f"cached in {directory}, and {_DSL_PACKAGE} is not installed to compile "
                     "one. Install a wheel built from these sources, install the "
                     "'kernel-dev' extra, or fill a cache with `python -m jax_sparse_mla.aot "
                     "--out DIR` and point JAX_SPARSE_MLA_CACHE_DIR at DIR."
                 )
-            kernel = compile_kernel(config, fingerprint, version)
-            _store(directory, kernel)
+            kernel = compile_of(key, fingerprint, version)
+            _store(directory, slug, kernel)
         if cache_dir is None:
-            _MEMORY[config] = kernel
+            memory[key] = kernel
         return kernel
 
 
-def _stem(config: KernelConfig, fingerprint: str, version: str) -> str:
-    return f"{config.slug}-{fingerprint}-{version}"
+def _stem(slug: str, fingerprint: str, version: str) -> str:
+    return f"{slug}-{fingerprint}-{version}"
 
 
-def _load(directory, config, fingerprint, version) -> CompiledKernel | None:
+def _load(directory, slug, matches, fingerprint, version) -> CompiledKernel | None:
+    """The entry of ``slug`` with this fingerprint (of DSL ``version``, or any if None) whose
+    metadata ``matches``, else None."""
     if version is not None:
-        candidates = [directory / f"{_stem(config, fingerprint, version)}.json"]
+        candidates = [directory / f"{_stem(slug, fingerprint, version)}.json"]
     else:
-        candidates = sorted(directory.glob(f"{config.slug}-{fingerprint}-*.json"))
+        candidates = sorted(directory.glob(f"{slug}-{fingerprint}-*.json"))
     for meta_path in candidates:
-        cubin_path = meta_path.with_suffix(".cubin")
         try:
             meta = json.loads(meta_path.read_text())
-            cubin = cubin_path.read_bytes()
+            cubin = meta_path.with_suffix(".cubin").read_bytes()
         except (OSError, ValueError):
             continue
-        if meta.get("config") == dataclasses.asdict(config) and meta.get("params") == list(PARAMS):
+        if matches(meta):
             return CompiledKernel(cubin, meta)
     return None
 
 
-def _store(directory: pathlib.Path, kernel: CompiledKernel) -> None:
+def _store(directory: pathlib.Path, slug: str, kernel: CompiledKernel) -> None:
+    """Writes the entry atomically (a concurrent reader sees the old file or the new one)."""
     meta = kernel.meta
-    config = KernelConfig(**meta["config"])
-    stem = _stem(config, meta["fingerprint"], meta["dsl_version"])
+    stem = _stem(slug, meta["fingerprint"], meta["dsl_version"])
     directory.mkdir(parents=True, exist_ok=True)
     for suffix, data in ((".cubin", kernel.cubin), (".json", json.dumps(meta, indent=1).encode())):
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{stem}", suffix=suffix)

@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import pathlib
 import tempfile
-import threading
 
 from jax_sparse_mla.kernel import compile as kernel_compile
-from jax_sparse_mla.kernel.config import KernelUnavailableError
 from jax_sparse_mla.kernel.index.config import ARCH, IndexKernel
 
 _SOURCES = (
@@ -25,7 +22,6 @@ _SOURCES = (
     pathlib.Path(kernel_compile.__file__).resolve().parent / "ptx.py",
 )
 _MEMORY: dict[IndexKernel, kernel_compile.CompiledKernel] = {}
-_LOCK = threading.Lock()
 
 
 def source_fingerprint() -> str:
@@ -43,66 +39,18 @@ def get_kernel(
     """The compiled cubin of ``kernel``: from memory, the shipped cubins, the disk cache
     (``cache_dir`` or the default) or the DSL. An explicit ``cache_dir`` skips memory and
     shipped cubins (the ahead-of-time command fills it)."""
-    with _LOCK:
-        if kernel in _MEMORY and cache_dir is None:
-            return _MEMORY[kernel]
-        directory = (
-            pathlib.Path(cache_dir) if cache_dir is not None else kernel_compile.default_cache_dir()
-        )
-        fingerprint, version = source_fingerprint(), kernel_compile.dsl_version()
-        shipped = kernel_compile.shipped_dir() if cache_dir is None else None
-        compiled = _load(shipped, kernel, fingerprint, None) if shipped is not None else None
-        if compiled is None:
-            compiled = _load(directory, kernel, fingerprint, version)
-        if compiled is None:
-            if version is None:
-                raise KernelUnavailableError(
-                    f"no cubin for {kernel.slug} (fingerprint {fingerprint}): none shipped in "
-                    f"the installed package, none cached in {directory}, and "
-                    "nvidia-cutlass-dsl is not installed to compile one. Install a wheel built "
-                    "from these sources, or the 'kernel-dev' extra."
-                )
-            compiled = compile_kernel(kernel, fingerprint, version)
-            _store(directory, kernel, compiled)
-        if cache_dir is None:
-            _MEMORY[kernel] = compiled
-        return compiled
-
-
-def _stem(kernel: IndexKernel, fingerprint: str, version: str) -> str:
-    return f"{kernel.slug}-{fingerprint}-{version}"
-
-
-def _load(directory, kernel, fingerprint, version) -> kernel_compile.CompiledKernel | None:
-    if version is not None:
-        candidates = [directory / f"{_stem(kernel, fingerprint, version)}.json"]
-    else:
-        candidates = sorted(directory.glob(f"{kernel.slug}-{fingerprint}-*.json"))
-    for meta_path in candidates:
-        try:
-            meta = json.loads(meta_path.read_text())
-            cubin = meta_path.with_suffix(".cubin").read_bytes()
-        except (OSError, ValueError):
-            continue
-        if meta.get("index_kernel") == dataclasses.asdict(kernel) and meta.get("params") == list(
-            kernel.params
-        ):
-            return kernel_compile.CompiledKernel(cubin, meta)
-    return None
-
-
-def _store(directory: pathlib.Path, kernel: IndexKernel, compiled) -> None:
-    meta = compiled.meta
-    stem = _stem(kernel, meta["fingerprint"], meta["dsl_version"])
-    directory.mkdir(parents=True, exist_ok=True)
-    for suffix, data in (
-        (".cubin", compiled.cubin),
-        (".json", json.dumps(meta, indent=1).encode()),
-    ):
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{stem}", suffix=suffix)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, directory / f"{stem}{suffix}")
+    return kernel_compile.cached_kernel(
+        kernel,
+        kernel.slug,
+        lambda meta: (
+            meta.get("index_kernel") == dataclasses.asdict(kernel)
+            and meta.get("params") == list(kernel.params)
+        ),
+        source_fingerprint,
+        compile_kernel,
+        _MEMORY,
+        cache_dir,
+    )
 
 
 def compile_kernel(kernel: IndexKernel, fingerprint: str, version: str):
