@@ -16,23 +16,12 @@ their scores [B, T, top_k] float32 (-inf at the -1 slots). Parameters: ``top_k``
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import jax.numpy as jnp
-from jax._src import dispatch
 from jax.core import ShapedArray
-from jax.extend import core
-from jax.interpreters import ad, batching, mlir
 
-from jax_sparse_mla import reference
+from jax_sparse_mla import inference_primitive, reference
 
 HEAD_TILE = 64  # the kernel's MMA takes index heads 64 at a time
-log = logging.getLogger("jax_sparse_mla")
-
-index_topk_p = core.Primitive("jax_sparse_mla_index_topk")
-index_topk_p.multiple_results = True
-index_topk_p.def_impl(functools.partial(dispatch.apply_primitive, index_topk_p))
 
 
 def _abstract_eval(q, weights, keys, key_scales, block_table, limits, *, top_k, **params):
@@ -48,55 +37,23 @@ def _abstract_eval(q, weights, keys, key_scales, block_table, limits, *, top_k, 
     )
 
 
-index_topk_p.def_abstract_eval(_abstract_eval)
-
-
 def _reference_rule(q, weights, keys, key_scales, block_table, limits, *, top_k, **params):
     del params
     return reference.index_topk_flat(q, weights, keys, key_scales, block_table, limits, top_k)
 
 
-reference_lowering = mlir.lower_fun(_reference_rule, multiple_results=True)
-"""Lowers the primitive to the reference (any platform)."""
-
-
-@functools.cache
-def _note_reference(platform: str) -> None:
-    log.info(
-        "jax_sparse_mla.index_topk: the kernel needs a Hopper GPU; using the reference on %s",
-        platform,
-    )
-
-
-def _portable_lowering(ctx, *args, require_kernel, **params):
-    platform = ctx.module_context.platforms[0] if ctx.module_context.platforms else "?"
-    if require_kernel:
-        raise NotImplementedError(
-            f"index_topk(implementation='cute') needs a Hopper (sm_90) CUDA GPU; lowering for "
-            f"{platform!r}. Use implementation=None to fall back to the reference."
-        )
-    _note_reference(platform)
-    return reference_lowering(ctx, *args, require_kernel=require_kernel, **params)
-
-
-mlir.register_lowering(index_topk_p, _portable_lowering)
-
-
-def _no_differentiation(primals, tangents, **params):
-    raise NotImplementedError(
+# reference_lowering: the primitive lowered to the reference (any platform).
+index_topk_p, reference_lowering = inference_primitive.define(
+    "jax_sparse_mla_index_topk",
+    _abstract_eval,
+    _reference_rule,
+    op="jax_sparse_mla.index_topk",
+    no_gradient=(
         "jax_sparse_mla.index_topk selects integer positions: it has no gradient (inference "
         "only). Wrap its inputs in jax.lax.stop_gradient inside a differentiated function."
-    )
-
-
-ad.primitive_jvps[index_topk_p] = _no_differentiation
-
-
-def _no_vmap(args, dims, **params):
-    raise NotImplementedError(
+    ),
+    no_vmap=(
         "jax_sparse_mla.index_topk has no vmap rule: fold the mapped axis into B (requests "
         "are independent) and call it once."
-    )
-
-
-batching.primitive_batchers[index_topk_p] = _no_vmap
+    ),
+)

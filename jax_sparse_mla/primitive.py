@@ -12,23 +12,11 @@ reference.
 
 from __future__ import annotations
 
-import functools
-import logging
-
 import jax.numpy as jnp
-from jax._src import dispatch
 from jax.core import ShapedArray
-from jax.extend import core
-from jax.interpreters import ad, batching, mlir
 
-from jax_sparse_mla import reference
+from jax_sparse_mla import inference_primitive, reference
 from jax_sparse_mla.validation import LATENT
-
-log = logging.getLogger("jax_sparse_mla")
-
-sparse_mla_decode_p = core.Primitive("sparse_mla_decode")
-sparse_mla_decode_p.multiple_results = True
-sparse_mla_decode_p.def_impl(functools.partial(dispatch.apply_primitive, sparse_mla_decode_p))
 
 
 def _abstract_eval(q, kv, rows, valid, scales, **params):
@@ -42,55 +30,24 @@ def _abstract_eval(q, kv, rows, valid, scales, **params):
     )
 
 
-sparse_mla_decode_p.def_abstract_eval(_abstract_eval)
-
-
 def _reference_rule(q, kv, rows, valid, scales, **params):
     del params
     return reference.decode_flat(q, kv, rows, valid, scales)
 
 
-reference_lowering = mlir.lower_fun(_reference_rule, multiple_results=True)
-"""Lowers the primitive to the reference (any platform)."""
-
-
-@functools.cache
-def _note_reference(platform: str) -> None:
-    log.info(
-        "jax_sparse_mla.decode: the kernel needs a Hopper GPU; using the reference on %s", platform
-    )
-
-
-def _portable_lowering(ctx, *args, require_kernel, **params):
-    platform = ctx.module_context.platforms[0] if ctx.module_context.platforms else "?"
-    if require_kernel:
-        raise NotImplementedError(
-            f"implementation='cute' needs a Hopper (sm_90) CUDA GPU; lowering for {platform!r}. "
-            "Use implementation=None to fall back to the reference."
-        )
-    _note_reference(platform)
-    return reference_lowering(ctx, *args, require_kernel=require_kernel, **params)
-
-
-mlir.register_lowering(sparse_mla_decode_p, _portable_lowering)
-
-
-def _no_differentiation(primals, tangents, **params):
-    raise NotImplementedError(
+# reference_lowering: the primitive lowered to the reference (any platform).
+sparse_mla_decode_p, reference_lowering = inference_primitive.define(
+    "sparse_mla_decode",
+    _abstract_eval,
+    _reference_rule,
+    op="jax_sparse_mla.decode",
+    no_gradient=(
         "jax_sparse_mla.decode is inference-only: it has no gradient (FP8 inputs, no backward "
         "kernel). Wrap its inputs in jax.lax.stop_gradient if it sits inside a differentiated "
         "function."
-    )
-
-
-ad.primitive_jvps[sparse_mla_decode_p] = _no_differentiation
-
-
-def _no_vmap(args, dims, **params):
-    raise NotImplementedError(
+    ),
+    no_vmap=(
         "jax_sparse_mla.decode has no vmap rule: rows of a decode are independent, so fold the "
         "mapped axis into B (q [V*B, H, 576], rows [V*B, K], valid [V*B]) and call it once."
-    )
-
-
-batching.primitive_batchers[sparse_mla_decode_p] = _no_vmap
+    ),
+)
