@@ -2,16 +2,15 @@
 CuTe DSL.
 
 A cluster of C CTAs per verify row (grid: C * T, B; C in TOPK_CLUSTERS, the largest whose grid
-fits one wave: index_lowering.topk_cluster), CTA r taking the
-r-th slice of the row's ``n = limits[b, t]`` order keys (written by ``scores.py``; unsigned
-order = the selection's order, 0 = no candidate). Where n > top_k, up to three histogram
-passes over the keys' 11, 11 and 10-bit digits (most significant first) narrow the threshold
-key K* down: each CTA counts its slice into its own shared histogram (in the first pass a
-warp's lanes with the same digit add once, through match.any: scores crowd into a few
-top digits), adds its non-zero bins into the cluster-wide sums, which CTA r of the cluster
-holds for the r-th chunk of the bins (distributed shared memory), and after a cluster
-barrier every CTA reads the sums (one 16-byte load per thread) and runs the same threshold
-search, so all hold the same state. A
+fits one wave: index_lowering.topk_cluster), CTA r taking the r-th slice of the row's
+``n = limits[b, t]`` order keys (written by ``scores.py``; unsigned order = the selection's
+order, 0 = no candidate). Where n > top_k, up to three histogram passes over the keys' 11, 11
+and 10-bit digits (most significant first) narrow the threshold key K* down: each CTA counts
+its slice into its own shared histogram (in the first pass a warp's lanes with the same digit
+add once, through match.any: scores crowd into a few top digits), adds its non-zero bins into
+the cluster-wide sums, which CTA r of the cluster holds for the r-th chunk of the bins
+(distributed shared memory), and after a cluster barrier every CTA reads the sums (one
+16-byte load per thread) and runs the same threshold search, so all hold the same state. A
 pass stops early once the threshold digit's keys are all taken. Then every CTA counts its
 slice's taken keys (above K*, equal to K*), the CTAs exchange those counts, and each writes,
 in position order, every key above K* and the first ``remaining`` keys equal to K* of the row
