@@ -239,39 +239,47 @@ class IndexScores:
         """cp.async of key tile ``tile`` (its rows through the block-table entries
         ``blocks``, zero-filled where the block is outside the cache) into sK, its key scales
         into sS and live flags into sL."""
-        start = tile * TOKENS
-        start_offset = start % block_size  # of the tile's first row in its block
-        for i in cutlass.range_constexpr(LOOKUPS):
-            row = self.row(tid, i)
-            src, live = self.key_row(
-                capacity, block_size, num_blocks, whole, start, start_offset, row, blocks, i
-            )
-            if cutlass.const_expr(i < LOADS):
-                piece = (tid + SCORE_THREADS * i) % PIECES
-                addr = mKeys.toint() + ptx.where_i64(live, src * DIM + piece * 16, 0)
-                index_ptx.cp_async_16(sK + swizzled(row, piece), addr, ptx.where_i32(live, 16, 0))
-            elif tid < TOKENS:
-                addr = mKeyScales.toint() + ptx.where_i64(live, src * 4, 0)
-                index_ptx.cp_async_4(sS + row * 4, addr, ptx.where_i32(live, 4, 0))
-                ptx.store_shared_u32(sL + row * 4, ptx.where_i32(live, 1, 0))
+        if whole:
+            self.load_whole_tile(
+                mKeys, mKeyScales, capacity, block_size, num_blocks, tile, blocks[0], sK, sS,
+                sL, tid,
+            )  # fmt: skip
+        else:
+            for i in cutlass.range_constexpr(LOOKUPS):
+                row = self.row(tid, i)
+                position = tile * TOKENS + row
+                block = blocks[i]
+                live = (position < capacity) & (block >= 0) & (block < num_blocks)
+                src = Int64(block) * block_size + position % block_size
+                self.copy_row(mKeys, mKeyScales, src, live, row, i, sK, sS, sL, tid)
 
     @cute.jit
-    def key_row(
-        self, capacity, block_size, num_blocks, whole, start, start_offset, row, blocks, i: int
-    ):
-        """(flat cache row as Int64, live) of token ``start + row`` of a request (``start``:
-        its tile's first, at ``start_offset`` in its block), whose block is ``blocks[0]``
-        with ``whole`` (a tile's rows share a block), else ``blocks[i]``."""
-        position = start + row
-        block = blocks[i]
-        offset = Int32(0)
-        if whole:
-            block = blocks[0]
-            offset = start_offset + row
-        else:
-            offset = position % block_size
-        live = (position < capacity) & (block >= 0) & (block < num_blocks)
-        return Int64(block) * block_size + offset, live
+    def load_whole_tile(
+        self, mKeys, mKeyScales, capacity, block_size, num_blocks, tile, block, sK, sS, sL, tid
+    ):  # fmt: skip
+        """load_tile of a tile inside one block (``block``): one liveness for the tile, and
+        a thread's rows 16 apart in the cache as in shared memory (the swizzle repeats every
+        8 rows), so its copies differ by constant offsets."""
+        start = tile * TOKENS
+        live = (start < capacity) & (block >= 0) & (block < num_blocks)
+        first = Int64(block) * block_size + start % block_size  # the tile's first cache row
+        for i in cutlass.range_constexpr(LOOKUPS):
+            self.copy_row(mKeys, mKeyScales, first + self.row(tid, i), live, self.row(tid, i), i,
+                          sK, sS, sL, tid)  # fmt: skip
+
+    @cute.jit
+    def copy_row(self, mKeys, mKeyScales, src, live, row, i: int, sK, sS, sL, tid):
+        """This thread's copy i of a tile: a 16-byte piece of key row ``row`` from cache row
+        ``src`` (i < LOADS), or (i == LOADS, threads < TOKENS) its key scale and live flag;
+        zero-filled, without a read, where not ``live``."""
+        if cutlass.const_expr(i < LOADS):
+            piece = (tid + SCORE_THREADS * i) % PIECES
+            addr = mKeys.toint() + ptx.where_i64(live, src * DIM + piece * 16, 0)
+            index_ptx.cp_async_16(sK + swizzled(row, piece), addr, ptx.where_i32(live, 16, 0))
+        elif tid < TOKENS:
+            addr = mKeyScales.toint() + ptx.where_i64(live, src * 4, 0)
+            index_ptx.cp_async_4(sS + row * 4, addr, ptx.where_i32(live, 4, 0))
+            ptx.store_shared_u32(sL + row * 4, ptx.where_i32(live, 1, 0))
 
     @cute.jit
     def score_tile(
@@ -279,26 +287,34 @@ class IndexScores:
     ):
         """Every verify row's order keys of one key tile (tokens ``position`` ..). The T x G
         (verify row, head tile) units go two at a time: the second's MMAs run during the
-        first's epilogue (an odd count's last pair repeats its unit and drops the copy)."""
+        first's epilogue (an odd count's last pair repeats its unit and drops the copy); one
+        unit (T = 1, up to 64 heads) goes alone."""
         units = steps * head_tiles
         totals = cute.make_rmem_tensor((2,), Float32)
         totals.fill(0.0)
-        t, g = Int32(0), Int32(0)  # the pair's first unit's verify row and head tile
-        for unit in cutlass.range(0, units, 2, unroll=1):
-            second = min(unit + 1, units - 1)
-            t1, g1 = self.next_unit(t, g, head_tiles)
-            ptx.wgmma_fence()  # both groups in flight: the second need not wait for the first
-            s0 = self.mma(sK, sQuery, unit)
-            s1 = self.mma(sK, sQuery, second)
-            ptx.wgmma_wait(1)
-            self.epilogue(ptx.pin_f32(s0), totals, sS, sL, sWeights, head_tiles, out, pitch,
-                          position, t, g, tid)  # fmt: skip
+        if units == 1:
+            ptx.wgmma_fence()
+            s = self.mma(sK, sQuery, 0)
             ptx.wgmma_wait(0)
-            s1 = ptx.pin_f32(s1)
-            if second > unit:
-                self.epilogue(s1, totals, sS, sL, sWeights, head_tiles, out, pitch, position,
-                              t1, g1, tid)  # fmt: skip
-            t, g = self.next_unit(t1, g1, head_tiles)
+            self.epilogue(ptx.pin_f32(s), totals, sS, sL, sWeights, head_tiles, out, pitch,
+                          position, Int32(0), Int32(0), tid)  # fmt: skip
+        else:
+            t, g = Int32(0), Int32(0)  # the pair's first unit's verify row and head tile
+            for unit in cutlass.range(0, units, 2, unroll=1):
+                second = min(unit + 1, units - 1)
+                t1, g1 = self.next_unit(t, g, head_tiles)
+                ptx.wgmma_fence()  # both groups in flight: the second need not wait
+                s0 = self.mma(sK, sQuery, unit)
+                s1 = self.mma(sK, sQuery, second)
+                ptx.wgmma_wait(1)
+                self.epilogue(ptx.pin_f32(s0), totals, sS, sL, sWeights, head_tiles, out,
+                              pitch, position, t, g, tid)  # fmt: skip
+                ptx.wgmma_wait(0)
+                s1 = ptx.pin_f32(s1)
+                if second > unit:
+                    self.epilogue(s1, totals, sS, sL, sWeights, head_tiles, out, pitch,
+                                  position, t1, g1, tid)  # fmt: skip
+                t, g = self.next_unit(t1, g1, head_tiles)
 
     @cute.jit
     def next_unit(self, t, g, head_tiles):
@@ -310,15 +326,13 @@ class IndexScores:
     def mma(self, sK, sQuery, unit):
         """S = K Q^T of the key tile and query tile ``unit`` (verify row t, head tile g at
         t * G + g), issued as one wgmma group."""
-        sQ = sQuery + unit * TILE_BYTES
+        # The k-th step's descriptors: the start address field (16-byte units, far below its
+        # 14-bit limit) advanced by 32 bytes per step, without rebuilding the descriptor.
+        desc_k = ptx.smem_descriptor(sK, 16, 8 * DIM, SWIZZLE_128B)
+        desc_q = ptx.smem_descriptor(sQuery + unit * TILE_BYTES, 16, 8 * DIM, SWIZZLE_128B)
         s = None
         for k in cutlass.range_constexpr(K_STEPS):
-            s = index_ptx.wgmma_e4m3_ss(
-                s,
-                ptx.smem_descriptor(sK + 32 * k, 16, 8 * DIM, SWIZZLE_128B),
-                ptx.smem_descriptor(sQ + 32 * k, 16, 8 * DIM, SWIZZLE_128B),
-                n=ACC,
-            )
+            s = index_ptx.wgmma_e4m3_ss(s, desc_k + 2 * k, desc_q + 2 * k, n=ACC)
         ptx.wgmma_commit()
         return s
 
