@@ -38,8 +38,8 @@ namespace {
 constexpr int64_t kDim = 128;
 constexpr int64_t kTokens = 64;
 constexpr int64_t kHeads = 64;
-constexpr unsigned int kScoreThreads = 128;
-constexpr int64_t kScoreSmemFixed = 4 * 8192 + 2 * 4 * 64 * 4;
+constexpr unsigned int kScoreThreads = 256;
+constexpr int64_t kScoreSmemFixed = 8 * 8192 + 2 * 8 * 64 * 4;
 constexpr int64_t kScoreSmemPerQueryTile = 8192 + 64 * 4;
 constexpr int64_t kMaxQueryTiles = 16;
 constexpr unsigned int kTopkThreads = 512;

@@ -41,7 +41,7 @@ FFI_TARGET = "jax_sparse_mla_index_topk"
 STATE_TYPE = "jax_sparse_mla_index_topk_state"
 SM_SHARED_BYTES = 233472  # shared memory per SM on Hopper (228 KiB)
 CTA_RESERVED_BYTES = 1024  # the driver's share of it per resident CTA
-MAX_CTAS_PER_SM = 4  # the scores CTAs' registers (<= 128 per thread, 128 threads) allow no more
+MAX_CTAS_PER_SM = 2  # the scores CTAs' registers (<= 128 per thread, 256 threads) allow no more
 
 log = logging.getLogger("jax_sparse_mla")
 _LOCK = threading.Lock()

@@ -17,15 +17,18 @@ TILE_BYTES = TOKENS * DIM  # a key tile or a query tile (HEADS == TOKENS rows of
 assert HEADS == TOKENS
 
 # ---- scores (scores.py) -------------------------------------------------------------------
-SCORE_THREADS = 128  # one warpgroup: loads by cp.async, MMAs, epilogue
-STAGES = 4  # key tiles in flight (cp.async ring)
+SCORE_WARPGROUPS = 2  # per CTA, each its own key tiles and ring; the staged queries shared
+SCORE_THREADS = 128 * SCORE_WARPGROUPS  # loads by cp.async, MMAs, epilogue
+STAGES = 4  # key tiles in flight per warpgroup (cp.async ring)
 MAX_QUERY_TILES = 16  # T * ceil(Hi / HEADS) query tiles staged per CTA
-# Dynamic shared memory: [STAGES] key tiles (swizzled), [STAGES, TOKENS] f32 key scales,
-# [STAGES, TOKENS] i32 live flags, [T * G] query tiles (swizzled), [T, G * HEADS] f32 weights.
+# Dynamic shared memory: [SCORE_WARPGROUPS, STAGES] key tiles (swizzled), [.., TOKENS] f32 key
+# scales, [.., TOKENS] i32 live flags, [T * G] query tiles (swizzled), [T, G * HEADS] f32
+# weights.
+RING = SCORE_WARPGROUPS * STAGES  # key tile buffers
 KEYS_OFFSET = 0
-SCALES_OFFSET = KEYS_OFFSET + STAGES * TILE_BYTES
-LIVE_OFFSET = SCALES_OFFSET + STAGES * TOKENS * 4
-QUERY_OFFSET = LIVE_OFFSET + STAGES * TOKENS * 4  # a multiple of 1024 (swizzle atoms)
+SCALES_OFFSET = KEYS_OFFSET + RING * TILE_BYTES
+LIVE_OFFSET = SCALES_OFFSET + RING * TOKENS * 4
+QUERY_OFFSET = LIVE_OFFSET + RING * TOKENS * 4  # a multiple of 1024 (swizzle atoms)
 assert QUERY_OFFSET % 1024 == 0
 SCORE_SMEM_FIXED = QUERY_OFFSET
 SCORE_SMEM_PER_QUERY_TILE = TILE_BYTES + HEADS * 4

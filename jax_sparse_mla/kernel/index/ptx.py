@@ -79,6 +79,13 @@ def shared_add(addr, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def barrier_sync_id(barrier, threads: int, *, loc=None, ip=None) -> None:
+    """barrier.sync on the named barrier of run-time id ``barrier`` for ``threads`` threads."""
+    code = f"barrier.sync $0, {threads};"
+    _asm(None, [_i32(barrier, loc, ip)], code, "r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
 def match_any(value, *, loc=None, ip=None) -> Int32:
     """The lanes of the (converged) warp holding the same ``value``, as a mask."""
     code = "match.any.sync.b32 $0, $1, 0xffffffff;"

@@ -1,14 +1,17 @@
 """The indexer's scores on FP8 warpgroup MMA (sm_90a), in CuTe DSL.
 
-One CTA (one warpgroup) per ``span`` consecutive key tiles of a request b (grid: ceil(tiles /
-span), B). It stages the request's query heads once (T x G tiles of 64 heads x 128 bytes,
-128-byte swizzled, K-major) and its weights, then streams its key tiles (64 tokens x 128
+One CTA of SCORE_WARPGROUPS warpgroups per ``span`` consecutive key tiles of a request b
+(grid: ceil(tiles / span), B). It stages the request's query heads once for all its
+warpgroups (T x G tiles of 64 heads x 128 bytes, 128-byte swizzled, K-major) and its weights;
+then each warpgroup streams every SCORE_WARPGROUPS-th of the CTA's key tiles (64 tokens x 128
 bytes, gathered through the block table by 16-byte cp.async, zero-filled where the block is
-outside the cache) through a ring of STAGES buffers. Per key tile and verify row t: for each
-head tile, S = K Q^T by four wgmma m64n64k32 E4M3 (tokens as M, heads as N, FP32
-accumulators), then the epilogue sum_h w[t, h] relu(S) in FP32 (16 heads per thread, then
-the quad's four lanes), times the token's key scale. The result leaves as the score's order
-key (``order_key``): the top-k kernel selects on those 32-bit keys, 0 meaning no candidate.
+outside the cache) through its own ring of STAGES buffers, synchronised by its own named
+barrier (the warpgroups overlap each other's waits and epilogues: twice the warps per SM for
+the same staged queries). Per key tile and verify row t: for each head tile, S = K Q^T by
+four wgmma m64n64k32 E4M3 (tokens as M, heads as N, FP32 accumulators), then the epilogue
+sum_h w[t, h] relu(S) in FP32 (16 heads per thread, then the quad's four lanes), times the
+token's key scale. The result leaves as the score's order key (``order_key``): the top-k
+kernel selects on those 32-bit keys, 0 meaning no candidate.
 
 Hopper's FP8 wgmma adds the products of each k32 step with reduced precision before they
 reach the FP32 accumulator (as DeepGEMM's indexer does; 4 steps for 128-byte keys): the
@@ -36,6 +39,7 @@ from jax_sparse_mla.kernel.index.config import (
     SCALES_OFFSET,
     SCORE_SMEM_MAX,
     SCORE_THREADS,
+    SCORE_WARPGROUPS,
     STAGES,
     TILE_BYTES,
     TOKENS,
@@ -43,7 +47,8 @@ from jax_sparse_mla.kernel.index.config import (
 
 PIECES = DIM // 16  # 16-byte pieces of a key or query row
 TILE_PIECES = TOKENS * PIECES
-LOADS = TILE_PIECES // SCORE_THREADS  # pieces of a key tile per thread
+WG_THREADS = 128  # a warpgroup: the copies, MMAs and epilogue of its own tiles
+LOADS = TILE_PIECES // WG_THREADS  # pieces of a key tile per thread
 LOOKUPS = LOADS + 1  # block-table entries a thread reads per tile: its copy rows, a scale row
 ACC = HEADS // 2  # accumulators per thread (m64n64)
 SWIZZLE_128B = 1
@@ -138,12 +143,16 @@ class IndexScores:
         sWeights = sQuery + query_tiles * TILE_BYTES
         tid, _, _ = cute.arch.thread_idx()
         x, b, _ = cute.arch.block_idx()
+        # Warpgroup wg takes the CTA's tiles wg, wg + SCORE_WARPGROUPS, .. through its own
+        # ring of STAGES buffers; wtid is the thread's index in it.
+        wg, wtid = tid // WG_THREADS, tid % WG_THREADS
+        ring = wg * STAGES
         cute.arch.griddepcontrol_wait()
 
         # The prologue's reads are independent of each other: the row limits (one lane per
         # verify row: T <= MAX_QUERY_TILES <= 32), the first tiles' block-table entries and
         # the queries all go out before any is waited on (one round trip, not a chain).
-        first = x * span
+        first = x * span + wg  # this warpgroup's first tile; then every SCORE_WARPGROUPS-th
         lane = tid % 32
         limits = mLimits.toint() + Int64(b) * steps * 4
         longest = ptx.load_global_i32_if(lane < steps, limits + lane * 4)
@@ -156,10 +165,12 @@ class IndexScores:
         # STAGES - 1 tiles' all at once), so that their latency never stalls the loop.
         starts = [cute.make_rmem_tensor((LOOKUPS,), Int32) for _ in range(STAGES - 1)]
         for s in cutlass.range_constexpr(STAGES - 1):
-            self.lookup(table, capacity, block_size, whole, first + s, tid, starts[s])
+            tile = first + s * SCORE_WARPGROUPS
+            self.lookup(table, capacity, block_size, whole, tile, wtid, starts[s])
         blocks = cute.make_rmem_tensor((LOOKUPS,), Int32)
-        self.lookup(table, capacity, block_size, whole, first + STAGES - 1, tid, blocks)
-        # The request's query tiles and weights (contiguous in global memory).
+        ahead_tile = first + (STAGES - 1) * SCORE_WARPGROUPS
+        self.lookup(table, capacity, block_size, whole, ahead_tile, wtid, blocks)
+        # The request's query tiles and weights (contiguous in global memory), by all threads.
         q_base = mQ.toint() + Int64(b) * query_tiles * TILE_BYTES
         for i in cutlass.range(tid, query_tiles * TILE_PIECES, SCORE_THREADS, unroll=1):
             tile, piece = i // TILE_PIECES, i % TILE_PIECES
@@ -170,39 +181,45 @@ class IndexScores:
             index_ptx.cp_async_4(sWeights + i * 4, w_base + Int64(i) * 4, 4)
         for shift in cutlass.range_constexpr(5):
             longest = max(longest, cute.arch.shuffle_sync_bfly(longest, offset=1 << shift))
-        count = max(min(span, (longest + TOKENS - 1) // TOKENS - first), 0)
+        # The CTA's tiles [x * span, + count); this warpgroup's share of them.
+        count = max(min(span, (longest + TOKENS - 1) // TOKENS - x * span), 0)
+        mine = max(count - wg + SCORE_WARPGROUPS - 1, 0) // SCORE_WARPGROUPS
 
-        if count > 0:
-            for s in cutlass.range_constexpr(STAGES - 1):
-                if s < count:
-                    self.load_tile(
-                        mKeys, mKeyScales, capacity, block_size, num_blocks, whole, first + s,
-                        starts[s], sKeys + s * TILE_BYTES, sScales + s * TOKENS * 4,
-                        sLive + s * TOKENS * 4, tid,
-                    )  # fmt: skip
-                index_ptx.cp_async_commit()
-            out = mOrder.toint() + Int64(b) * steps * pitch * 4
-            for i in cutlass.range(count, unroll=1):
-                index_ptx.cp_async_wait(STAGES - 2)  # tile i (and the queries) landed
-                ptx.fence_proxy_async_shared()  # read by wgmma
-                cute.arch.sync_threads()  # every thread's copies; tile i - 1 consumed
-                ahead = i + STAGES - 1
-                if ahead < count:
-                    stage = ahead % STAGES
-                    self.load_tile(
-                        mKeys, mKeyScales, capacity, block_size, num_blocks, whole, first + ahead,
-                        blocks, sKeys + stage * TILE_BYTES, sScales + stage * TOKENS * 4,
-                        sLive + stage * TOKENS * 4, tid,
-                    )  # fmt: skip
-                index_ptx.cp_async_commit()
-                self.lookup(table, capacity, block_size, whole, first + ahead + 1, tid, blocks)
-                stage = i % STAGES
-                self.score_tile(
-                    sKeys + stage * TILE_BYTES, sScales + stage * TOKENS * 4,
-                    sLive + stage * TOKENS * 4, sQuery, sWeights, steps, head_tiles, out,
-                    pitch, (first + i) * TOKENS, tid,
+        for s in cutlass.range_constexpr(STAGES - 1):
+            if s < mine:
+                self.load_tile(
+                    mKeys, mKeyScales, capacity, block_size, num_blocks, whole,
+                    first + s * SCORE_WARPGROUPS, starts[s], sKeys + (ring + s) * TILE_BYTES,
+                    sScales + (ring + s) * TOKENS * 4, sLive + (ring + s) * TOKENS * 4, wtid,
                 )  # fmt: skip
-        index_ptx.cp_async_commit()  # the queries' copies where no tile was loaded
+            index_ptx.cp_async_commit()  # the first group also holds the queries' copies
+        # Every thread's query copies landed and are seen by both warpgroups' wgmma.
+        index_ptx.cp_async_wait(STAGES - 2)
+        ptx.fence_proxy_async_shared()
+        cute.arch.sync_threads()
+        out = mOrder.toint() + Int64(b) * steps * pitch * 4
+        for i in cutlass.range(mine, unroll=1):
+            index_ptx.cp_async_wait(STAGES - 2)  # tile i landed
+            ptx.fence_proxy_async_shared()  # read by wgmma
+            # The warpgroup's copies seen; its tile i - 1 consumed (its ring is its own).
+            index_ptx.barrier_sync_id(1 + wg, WG_THREADS)
+            ahead = i + STAGES - 1
+            if ahead < mine:
+                stage = ring + ahead % STAGES
+                self.load_tile(
+                    mKeys, mKeyScales, capacity, block_size, num_blocks, whole,
+                    first + ahead * SCORE_WARPGROUPS, blocks, sKeys + stage * TILE_BYTES,
+                    sScales + stage * TOKENS * 4, sLive + stage * TOKENS * 4, wtid,
+                )  # fmt: skip
+            index_ptx.cp_async_commit()
+            next_tile = first + (ahead + 1) * SCORE_WARPGROUPS
+            self.lookup(table, capacity, block_size, whole, next_tile, wtid, blocks)
+            stage = ring + i % STAGES
+            self.score_tile(
+                sKeys + stage * TILE_BYTES, sScales + stage * TOKENS * 4,
+                sLive + stage * TOKENS * 4, sQuery, sWeights, steps, head_tiles, out,
+                pitch, (first + i * SCORE_WARPGROUPS) * TOKENS, wtid,
+            )  # fmt: skip
         index_ptx.cp_async_wait(0)
         cute.arch.griddepcontrol_launch_dependents()
 
@@ -228,7 +245,7 @@ class IndexScores:
         """The tile row of this thread's lookup i: its copy rows, then (i == LOADS) its
         scale row (threads < TOKENS)."""
         if cutlass.const_expr(i < LOADS):
-            return (tid + SCORE_THREADS * i) // PIECES
+            return (tid + WG_THREADS * i) // PIECES
         return tid % TOKENS
 
     @cute.jit
@@ -273,7 +290,7 @@ class IndexScores:
         ``src`` (i < LOADS), or (i == LOADS, threads < TOKENS) its key scale and live flag;
         zero-filled, without a read, where not ``live``."""
         if cutlass.const_expr(i < LOADS):
-            piece = (tid + SCORE_THREADS * i) % PIECES
+            piece = (tid + WG_THREADS * i) % PIECES
             addr = mKeys.toint() + ptx.where_i64(live, src * DIM + piece * 16, 0)
             index_ptx.cp_async_16(sK + swizzled(row, piece), addr, ptx.where_i32(live, 16, 0))
         elif tid < TOKENS:
