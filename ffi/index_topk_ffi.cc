@@ -146,6 +146,12 @@ ffi::Error LoadInto(IndexState& state, CUcontext context, const IndexSpec& spec)
   if (error.success()) {
     error = LoadFunction(d, spec.topk_cubin, spec.topk_kernel, static_cast<int>(kTopkSmem),
                          &entry.topk_module, &entry.topk);
+    if (error.success() && spec.topk_cluster > 8) {  // beyond the portable cluster size
+      error = cu::Check(d, "cuFuncSetAttribute(NON_PORTABLE_CLUSTER_SIZE_ALLOWED)",
+                        d.FuncSetAttribute(entry.topk,
+                                           CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1));
+      if (error.failure()) d.ModuleUnload(entry.topk_module);
+    }
     if (error.failure()) d.ModuleUnload(entry.scores_module);
   }
   if (error.success()) state.loaded.push_back(entry);
@@ -158,10 +164,10 @@ ffi::ErrorOr<std::unique_ptr<IndexState>> Instantiate(IndexSpec spec) {
   using Failed = ffi::Unexpected<ffi::Error>;
   if (spec.scores_cubin.size() == 0 || spec.topk_cubin.size() == 0 ||
       spec.scores_kernel.empty() || spec.topk_kernel.empty() || spec.span < 1 ||
-      spec.span > INT32_MAX || spec.topk_cluster < 1 || spec.topk_cluster > 8) {
+      spec.span > INT32_MAX || spec.topk_cluster < 1 || spec.topk_cluster > 16) {
     return Failed(ffi::Error::InvalidArgument(
         "jax_sparse_mla index_topk: empty cubin or kernel name, span outside [1, 2^31) or "
-        "topk_cluster outside [1, 8]"));
+        "topk_cluster outside [1, 16]"));
   }
   const cu::LoadedDriver& loaded = cu::GetDriver();
   if (!loaded.error.empty()) {

@@ -26,6 +26,7 @@ from jax.interpreters import mlir
 
 from jax_sparse_mla import cuda_lowering, index_primitive
 from jax_sparse_mla.kernel.config import KernelUnavailableError
+from jax_sparse_mla.kernel.dispatch import active_clusters
 from jax_sparse_mla.kernel.index import compile as index_compile
 from jax_sparse_mla.kernel.index.config import (
     HEADS,
@@ -93,10 +94,10 @@ def span(batch: int, steps: int, head_tiles: int, capacity: int, sm_count: int) 
 
 
 def topk_cluster(rows: int, sm_count: int) -> int:
-    """CTAs per verify row of the top-k: a cluster of the largest of TOPK_CLUSTERS whose
-    grid (rows x cluster CTAs of 512 threads, one resident per SM) fits one wave, else 1 (the
-    cluster's barriers and exchanges only pay where the GPU would otherwise idle)."""
-    return max(c for c in TOPK_CLUSTERS if c == 1 or rows * c <= sm_count)
+    """CTAs per verify row of the top-k: a cluster of the largest of TOPK_CLUSTERS of which
+    ``rows`` clusters are resident at once (one wave), else 1 (the cluster's barriers and
+    exchanges only pay where the GPU would otherwise idle)."""
+    return max(c for c in TOPK_CLUSTERS if c == 1 or rows <= active_clusters(c, sm_count))
 
 
 def kernels_or_reason(avals) -> tuple[dict | None, str | None]:

@@ -19,6 +19,7 @@ import jax_sparse_mla
 from jax_sparse_mla import cuda_lowering, index_lowering, index_primitive, push_exchange
 from jax_sparse_mla.kernel import compile as kernel_compile
 from jax_sparse_mla.kernel.config import PARAMS, KernelConfig, KernelUnavailableError
+from jax_sparse_mla.kernel.dispatch import active_clusters
 from jax_sparse_mla.kernel.index import compile as index_compile
 from jax_sparse_mla.kernel.index import config
 from jax_sparse_mla.kernel.index.config import (
@@ -28,6 +29,7 @@ from jax_sparse_mla.kernel.index.config import (
     SCORE_SMEM_FIXED,
     SCORE_SMEM_PER_QUERY_TILE,
     TOKENS,
+    TOPK_CLUSTERS,
     IndexKernel,
 )
 
@@ -468,13 +470,17 @@ def test_span_grows_with_the_work_and_shrinks_with_the_gpu():
 
 
 @pytest.mark.parametrize(
-    ("rows", "cluster"), [(1, 8), (16, 8), (17, 4), (33, 4), (34, 2), (66, 2), (67, 1), (5000, 1)]
+    ("rows", "cluster"),
+    [(1, 16), (7, 16), (8, 8), (15, 8), (16, 4), (30, 4), (31, 2), (66, 2), (67, 1), (5000, 1)],
 )
-def test_topk_cluster_is_the_largest_that_fits_one_wave(rows, cluster):
-    """On 132 SMs (one top-k CTA resident per SM): rows x cluster CTAs fit, twice as many do
-    not, and more rows than SMs run one CTA each."""
+def test_topk_cluster_is_the_largest_resident_in_one_wave(rows, cluster):
+    """On 132 SMs: ``rows`` clusters of the chosen size are resident at once (the H200's
+    measured GPC limits: 7 of 16, 15 of 8, 30 of 4, 66 of 2), the next larger size is not,
+    and more rows than fit in pairs run one CTA each."""
     assert index_lowering.topk_cluster(rows, 132) == cluster
-    assert cluster == 1 or rows * cluster <= 132 < rows * cluster * 2 or cluster == 8
+    assert cluster == 1 or rows <= active_clusters(cluster, 132)
+    larger = [c for c in TOPK_CLUSTERS if c > cluster]
+    assert not larger or rows > active_clusters(larger[0], 132)
 
 
 def test_ffi_mirrors_the_kernels_static_sizes():

@@ -35,8 +35,9 @@ _WGMMA_MARGIN = 0.7
 
 def active_clusters(split: int, sm_count: int) -> int:
     """Clusters of ``split`` one-SM CTAs resident at once. A cluster's CTAs share a GPC, so
-    clusters of 4 and 8 leave SMs idle: cuOccupancyMaxActiveClusters on the H200 gives 132,
-    66, 30 and 15 for clusters of 1, 2, 4 and 8 (every shipped config, one CTA per SM)."""
+    clusters of 4, 8 and 16 leave SMs idle: cuOccupancyMaxActiveClusters on the H200 gives 132,
+    66, 30, 15 and 7 for clusters of 1, 2, 4, 8 and 16 (every shipped decode config and the
+    index top-k's clusters, one CTA per SM)."""
     if split <= 2:
         return sm_count // split
     return max(1, sm_count * 10 // 11 // split)

@@ -36,7 +36,7 @@ SCORE_SMEM_MAX = SCORE_SMEM_FIXED + MAX_QUERY_TILES * SCORE_SMEM_PER_QUERY_TILE
 
 # ---- top-k (topk.py) ----------------------------------------------------------------------
 TOPK_THREADS = 512  # per CTA (128 registers per thread: no spills)
-TOPK_CLUSTERS = (1, 2, 4, 8)  # CTAs per verify row (a cluster), each taking a slice of its keys
+TOPK_CLUSTERS = (1, 2, 4, 8, 16)  # CTAs per verify row (a cluster), each taking a slice of its keys
 WARPS = TOPK_THREADS // 32
 BINS = 2048  # radix digits of 11, 11 and 10 bits of the order key
 DIGITS = ((21, 11), (10, 11), (0, 10))  # (shift, bits) of each pass, most significant first
