@@ -3,21 +3,24 @@
     python benchmarks/bench_index_topk.py
     python benchmarks/bench_index_topk.py --cases 1x5x32768 64x1x32768 --calls 100
     python benchmarks/bench_index_topk.py --plot benchmarks/index_topk_vs_context.png
+    python benchmarks/bench_index_topk.py --cache flat --cases 1x5x32784
 
 Cases are B x T x context: B requests of T verify rows each over `context` cached tokens
-(DESIGN.md section 5): 64 index heads of 128, top-k 2048, a paged FP8 index cache (blocks of
-64 tokens: 64 x 128 FP8 bytes + 64 FP32 scales) in which every request owns its own blocks
-in shuffled order, lengths = context. Random FP8 queries and keys, random positive key scales,
-head weights of both signs. Both paths run through jax.jit on the same inputs in one run: ours
-(implementation="cute"; the compiled program must hold the kernel's custom call, else the
-benchmark stops) and the jnp reference (implementation="reference"). GPU time per call comes
-from JAX's profiler (CUPTI kernel records, the host waiting for each call; see gpu_profile.py):
-the span from a call's first kernel start to its last kernel end, median and p10/p90 over
---calls calls. The HBM floor is the index keys read once per request, B * context * 132 bytes
-at 4.8 TB/s. The anchors are DESIGN.md's (an H200, 2026-12-01: DeepGEMM fp8_paged_mqa_logits
-+ vLLM cooperative_topk, kernel time per call). Each case also compares the two paths' tokens:
-differing tokens, and whether they are ties within FP32 rounding at a row's k-th score
-(examples/token_agreement.py). Exits with status 1 when a check fails, 2 without a CUDA GPU.
+(DESIGN.md section 5): 64 index heads of 128, top-k 2048, a paged FP8 index cache (blocks of 64
+tokens: 64 x 128 FP8 bytes + 64 FP32 scales) in which every request owns its own blocks in
+shuffled order (`--cache flat`: one flat cache of `context` keys, as the example's decode step
+uses; no anchor there), lengths = context. Random FP8 queries and keys, random positive key
+scales, head weights of both signs. Both paths run through jax.jit on the same inputs in one
+run: ours (implementation="cute"; the compiled program must hold the kernel's custom call, else
+the benchmark stops) and the jnp reference (implementation="reference"). GPU time per call
+comes from JAX's profiler (CUPTI kernel records, the host waiting for each call; see
+gpu_profile.py): the span from a call's first kernel start to its last kernel end, median and
+p10/p90 over --calls calls. The HBM floor is the index keys read once per request, B * context
+* 132 bytes at 4.8 TB/s. The anchors are DESIGN.md's (an H200, 2026-12-01: DeepGEMM
+fp8_paged_mqa_logits + vLLM cooperative_topk, kernel time per call). Each case also compares
+the two paths' tokens: differing tokens, and whether they are ties within FP32 rounding at a
+row's k-th score (examples/token_agreement.py). Exits with status 1 when a check fails, 2
+without a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -67,17 +70,24 @@ def case_name(case: tuple[int, int, int]) -> str:
     return "x".join(map(str, case))
 
 
-def make_inputs(batch: int, steps: int, context: int, seed: int = 0) -> tuple[jax.Array, ...]:
-    """(q, weights, keys, scales, lengths, block_table) on the GPU for one case."""
+def make_inputs(
+    batch: int, steps: int, context: int, seed: int = 0, flat: bool = False
+) -> tuple[jax.Array, ...]:
+    """(q, weights, keys, scales, lengths, block_table) on the GPU for one case; with ``flat``
+    one flat cache of ``context`` keys that every request reads, and block_table None."""
     blocks = -(-context // BLOCK)
     parts = jax.random.split(jax.random.key(seed), 5)
     fp8 = jnp.float8_e4m3fn
     q = jax.random.normal(parts[0], (batch, steps, HEADS, DIM), jnp.bfloat16).astype(fp8)
     weights = jax.random.normal(parts[1], (batch, steps, HEADS), jnp.float32)
+    lengths = jnp.full((batch,), context, jnp.int32)
+    if flat:
+        keys = jax.random.normal(parts[2], (context, DIM), jnp.bfloat16).astype(fp8)
+        scales = jax.random.uniform(parts[3], (context,), jnp.float32, 0.5, 1.0)
+        return (*jax.block_until_ready((q, weights, keys, scales, lengths)), None)
     keys = jax.random.normal(parts[2], (batch * blocks, BLOCK, DIM), jnp.bfloat16).astype(fp8)
     scales = jax.random.uniform(parts[3], (batch * blocks, BLOCK), jnp.float32, 0.5, 1.0)
     table = jax.random.permutation(parts[4], batch * blocks).reshape(batch, blocks)
-    lengths = jnp.full((batch,), context, jnp.int32)
     return jax.block_until_ready((q, weights, keys, scales, lengths, table.astype(jnp.int32)))
 
 
@@ -121,7 +131,7 @@ def request_scores(args: tuple[jax.Array, ...], batch: int, steps: int, context:
     def of_row(row: int) -> token_agreement.RowScores:
         b, t = divmod(row, steps)
         if b not in fetched:
-            blocks = np.asarray(table[b])
+            blocks = np.asarray(table[b]) if table is not None else slice(None)
             fetched[b] = (
                 np.asarray(keys[blocks], np.float32).reshape(-1, DIM)[:context],
                 np.asarray(scales[blocks]).reshape(-1)[:context],
@@ -138,9 +148,9 @@ def request_scores(args: tuple[jax.Array, ...], batch: int, steps: int, context:
     return of_row
 
 
-def measure(case: tuple[int, int, int], calls: int) -> dict:
+def measure(case: tuple[int, int, int], calls: int, flat: bool = False) -> dict:
     batch, steps, context = case
-    args = make_inputs(batch, steps, context)
+    args = make_inputs(batch, steps, context, flat=flat)
     kernel, own_kernels = compile_kernel_path(args)
     reference = jax.jit(partial(index_topk, "reference"))
     got, want = np.asarray(kernel(*args)), np.asarray(reference(*args))
@@ -163,6 +173,7 @@ def measure(case: tuple[int, int, int], calls: int) -> dict:
         "reference_kernels": len(baseline.names),
         "floor_us": batch * context * KEY_BYTES / HBM_BYTES_PER_S * 1e6,
         "agreement": agreement,
+        "flat": flat,
     }
 
 
@@ -188,10 +199,10 @@ def table(results: list[dict], calls: int) -> list[str]:
     ]
     for r in results:
         case, ours = r["case"], r["ours"]["median"]
-        anchor = ANCHORS.get(case)
+        anchor = None if r["flat"] else ANCHORS.get(case)  # the anchors read a paged cache
         anchor_text = f"{anchor[0]} + {anchor[1]} = {sum(anchor):.1f}" if anchor else "not measured"
         ratio = f"{ours / sum(anchor):.2f}" if anchor else "-"
-        goal = f"<= {GOALS_US[case]:.0f}" if case in GOALS_US else "-"
+        goal = f"<= {GOALS_US[case]:.0f}" if case in GOALS_US and not r["flat"] else "-"
         agreement = r["agreement"]
         differing = f"{agreement.differing}" + (
             "" if agreement.agrees else f" ({agreement.unexplained} beyond FP32 ties: FAIL)"
@@ -273,6 +284,13 @@ def main(argv: list[str] | None = None) -> int:
         "--calls", type=int, default=200, help="profiled calls per path and case (default 200)"
     )
     parser.add_argument(
+        "--cache",
+        choices=["paged", "flat"],
+        default="paged",
+        help="paged (default: blocks of 64 tokens, each request its own, as the anchors) or "
+        "flat (one [context, 128] cache that every request reads, block_table=None)",
+    )
+    parser.add_argument(
         "--plot",
         metavar="PATH",
         help=f"also time B=1, T=5 at contexts {PLOT_CONTEXTS} and write a PNG of GPU time vs "
@@ -295,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     for index, case in enumerate(jobs):
         print(f"[{index + 1}/{len(jobs)}] {case_name(case)}: compiling, checking, profiling ...")
         try:
-            measured[case] = r = measure(case, args.calls)
+            measured[case] = r = measure(case, args.calls, flat=args.cache == "flat")
         except KernelNotUsed as failure:
             rule = "!" * 88
             print(f"{rule}\n!!! THE KERNEL IS NOT USED: {failure}\n!!! stopping\n{rule}")

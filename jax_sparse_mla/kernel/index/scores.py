@@ -158,9 +158,9 @@ class IndexScores:
         longest = ptx.load_global_i32_if(lane < steps, limits + lane * 4)
         table = mTable.toint() + Int64(b) * max_blocks * 4
         capacity = max_blocks * block_size
-        # Blocks of whole key tiles (block_size % TOKENS == 0, as in DeepSeek V3.2's cache):
-        # one table entry per tile and no per-row division.
-        whole = block_size % TOKENS == 0
+        # Every tile inside one block (blocks of whole key tiles, as in DeepSeek V3.2's
+        # cache, or a flat cache: one block): one table entry per tile, no per-row division.
+        whole = (block_size % TOKENS == 0) | (max_blocks == 1)
         # A tile's block-table entries are read one tile ahead of its copies (the first
         # STAGES - 1 tiles' all at once), so that their latency never stalls the loop.
         starts = [cute.make_rmem_tensor((LOOKUPS,), Int32) for _ in range(STAGES - 1)]
@@ -274,15 +274,22 @@ class IndexScores:
     def load_whole_tile(
         self, mKeys, mKeyScales, capacity, block_size, num_blocks, tile, block, sK, sS, sL, tid
     ):  # fmt: skip
-        """load_tile of a tile inside one block (``block``): one liveness for the tile, and
-        a thread's rows 16 apart in the cache as in shared memory (the swizzle repeats every
-        8 rows), so its copies differ by constant offsets."""
+        """load_tile of a tile inside one block (``block``): one block check for the tile,
+        and a thread's rows 16 apart in the cache as in shared memory (the swizzle repeats
+        every 8 rows), so its copies differ by constant offsets. A row past the capacity (a
+        flat cache's last, partial tile) is not read."""
         start = tile * TOKENS
-        live = (start < capacity) & (block >= 0) & (block < num_blocks)
+        live = (block >= 0) & (block < num_blocks)
         first = Int64(block) * block_size + start % block_size  # the tile's first cache row
-        for i in cutlass.range_constexpr(LOOKUPS):
-            self.copy_row(mKeys, mKeyScales, first + self.row(tid, i), live, self.row(tid, i), i,
-                          sK, sS, sL, tid)  # fmt: skip
+        if start + TOKENS <= capacity:
+            for i in cutlass.range_constexpr(LOOKUPS):
+                row = self.row(tid, i)
+                self.copy_row(mKeys, mKeyScales, first + row, live, row, i, sK, sS, sL, tid)
+        else:  # rows past the capacity (a flat cache's last tile, or none at all) stay unread
+            for i in cutlass.range_constexpr(LOOKUPS):
+                row = self.row(tid, i)
+                self.copy_row(mKeys, mKeyScales, first + row, live & (start + row < capacity),
+                              row, i, sK, sS, sL, tid)  # fmt: skip
 
     @cute.jit
     def copy_row(self, mKeys, mKeyScales, src, live, row, i: int, sK, sS, sL, tid):
