@@ -236,6 +236,41 @@ def test_returned_scores_and_repeatability():
         np.testing.assert_array_equal(again_scores, scores)
 
 
+def test_soak_is_bit_identical():
+    """100,000 calls in one jitted loop, cycling 16 length patterns (0, 1, below, at and
+    above top_k, the capacity, above it): every call's tokens equal the first call's for
+    its pattern, bit for bit; the first calls are a top-k of the truth."""
+    batch, steps, capacity, top_k, calls = 2, 5, 32768, 2048, 100_000
+    rng = np.random.default_rng(12)
+    q, weights, keys, scales, table = _inputs(rng, batch, steps, 64, capacity, paged=True)
+    patterns = rng.integers(-2, capacity + 3, (16, batch)).astype(np.int32)
+    patterns[:4] = [[capacity, 0], [1, top_k + steps - 1], [top_k - 1, top_k], [9999, 99999]]
+    operands = [jnp.asarray(x) for x in (q, weights, keys, scales, table)]
+
+    def select(q, weights, keys, scales, table, lengths):
+        return jax_sparse_mla.index_topk(
+            q, weights, keys, scales, lengths, top_k=top_k, block_table=table,
+            implementation="cute",
+        )  # fmt: skip
+
+    once = jax.jit(select)
+    first = jnp.stack([once(*operands, jnp.asarray(lengths)) for lengths in patterns])
+
+    @jax.jit
+    def soak(operands, patterns, first):
+        def body(i, mismatches):
+            k = i % patterns.shape[0]
+            same = jnp.all(select(*operands, patterns[k]) == first[k])
+            return mismatches + (~same).astype(jnp.int32)
+
+        return jax.lax.fori_loop(0, calls, body, jnp.int32(0))
+
+    assert int(soak(operands, jnp.asarray(patterns), first)) == 0
+    for k in range(4):
+        truth, magnitude, live = _truth(q, weights, keys, scales, table, patterns[k])
+        _check_selection(np.asarray(first[k]), truth, magnitude, live, top_k)
+
+
 def test_dcp_selection_equals_the_single_device_kernel():
     """dcp_index_topk's math on one GPU: the kernel on each of D token shards (local limits),
     the candidates merged, equals the kernel over the whole cache bit for bit (each token's
