@@ -89,25 +89,38 @@ def register_ffi_target() -> pathlib.Path:
         if _registered_library is not None:
             return _registered_library
         path = find_library()
-        library = ctypes.CDLL(str(path))
-        for name in ("JaxSparseMlaDecodeStateTypeId", "JaxSparseMlaDecodeStateTypeInfo"):
-            getattr(library, name).restype = ctypes.c_void_p
-        jax.ffi.register_ffi_type(
+        register_handlers(
+            ctypes.CDLL(str(path)),
             STATE_TYPE,
-            {
-                "type_id": jax.ffi.pycapsule(library.JaxSparseMlaDecodeStateTypeId()),
-                "type_info": jax.ffi.pycapsule(library.JaxSparseMlaDecodeStateTypeInfo()),
-            },
-            platform="CUDA",
+            "JaxSparseMlaDecode",
+            {FFI_TARGET: "JaxSparseMlaDecode", PUSH_FFI_TARGET: "JaxSparseMlaDecodePush"},
         )
-        for target, stem in ((FFI_TARGET, "Decode"), (PUSH_FFI_TARGET, "DecodePush")):
-            stages = {
-                stage: jax.ffi.pycapsule(getattr(library, f"JaxSparseMla{stem}{stage.title()}"))
-                for stage in ("instantiate", "execute")
-            }
-            jax.ffi.register_ffi_target(target, stages, platform="CUDA")
         _registered_library = path
         return path
+
+
+def register_handlers(
+    library: ctypes.CDLL, state_type: str, state: str, targets: dict[str, str]
+) -> None:
+    """Registers for CUDA a handler library's FFI state type ``state_type`` (its symbols
+    ``{state}StateTypeId`` / ``StateTypeInfo``) and its targets (name -> symbol stem: the
+    stages ``{stem}Instantiate`` and ``{stem}Execute``)."""
+    for name in (f"{state}StateTypeId", f"{state}StateTypeInfo"):
+        getattr(library, name).restype = ctypes.c_void_p
+    jax.ffi.register_ffi_type(
+        state_type,
+        {
+            "type_id": jax.ffi.pycapsule(getattr(library, f"{state}StateTypeId")()),
+            "type_info": jax.ffi.pycapsule(getattr(library, f"{state}StateTypeInfo")()),
+        },
+        platform="CUDA",
+    )
+    for target, stem in targets.items():
+        stages = {
+            stage: jax.ffi.pycapsule(getattr(library, f"{stem}{stage.title()}"))
+            for stage in ("instantiate", "execute")
+        }
+        jax.ffi.register_ffi_target(target, stages, platform="CUDA")
 
 
 def export_disabled_checks() -> tuple[jax.export.DisabledSafetyCheck, ...]:

@@ -59,21 +59,9 @@ def register_ffi_target() -> None:
         library = ctypes.CDLL(str(path))
         if not hasattr(library, "JaxSparseMlaIndexTopkExecute"):
             raise OSError(f"{path} has no index_topk handler (built before it existed?)")
-        for name in ("JaxSparseMlaIndexTopkStateTypeId", "JaxSparseMlaIndexTopkStateTypeInfo"):
-            getattr(library, name).restype = ctypes.c_void_p
-        jax.ffi.register_ffi_type(
-            STATE_TYPE,
-            {
-                "type_id": jax.ffi.pycapsule(library.JaxSparseMlaIndexTopkStateTypeId()),
-                "type_info": jax.ffi.pycapsule(library.JaxSparseMlaIndexTopkStateTypeInfo()),
-            },
-            platform="CUDA",
+        cuda_lowering.register_handlers(
+            library, STATE_TYPE, "JaxSparseMlaIndexTopk", {FFI_TARGET: "JaxSparseMlaIndexTopk"}
         )
-        stages = {
-            stage: jax.ffi.pycapsule(getattr(library, f"JaxSparseMlaIndexTopk{stage.title()}"))
-            for stage in ("instantiate", "execute")
-        }
-        jax.ffi.register_ffi_target(FFI_TARGET, stages, platform="CUDA")
         _registered = True
 
 
