@@ -50,6 +50,7 @@ TILE_PIECES = TOKENS * PIECES
 WG_THREADS = 128  # a warpgroup: the copies, MMAs and epilogue of its own tiles
 LOADS = TILE_PIECES // WG_THREADS  # pieces of a key tile per thread
 LOOKUPS = LOADS + 1  # block-table entries a thread reads per tile: its copy rows, a scale row
+STRIDE = SCORE_WARPGROUPS * TOKENS  # tokens from one of a warpgroup's tiles to its next
 ACC = HEADS // 2  # accumulators per thread (m64n64)
 SWIZZLE_128B = 1
 SIGN = -(2**31)
@@ -161,15 +162,23 @@ class IndexScores:
         # Every tile inside one block (blocks of whole key tiles, as in DeepSeek V3.2's
         # cache, or a flat cache: one block): one table entry per tile, no per-row division.
         whole = (block_size % TOKENS == 0) | (max_blocks == 1)
+        # There the warpgroup's tiles (STRIDE tokens apart) are walked as (block index,
+        # offset in the block): a conditional subtraction per tile, no division.
+        cursor = cute.make_rmem_tensor((2,), Int32)
+        cursor[0] = first * TOKENS // block_size
+        cursor[1] = first * TOKENS - cursor[0] * block_size
+        stride_blocks = STRIDE // block_size
+        stride_offset = STRIDE - stride_blocks * block_size
+        walk = (cursor, stride_blocks, stride_offset)
         # A tile's block-table entries are read one tile ahead of its copies (the first
         # STAGES - 1 tiles' all at once), so that their latency never stalls the loop.
         starts = [cute.make_rmem_tensor((LOOKUPS,), Int32) for _ in range(STAGES - 1)]
         for s in cutlass.range_constexpr(STAGES - 1):
             tile = first + s * SCORE_WARPGROUPS
-            self.lookup(table, capacity, block_size, whole, tile, wtid, starts[s])
+            self.lookup(table, capacity, block_size, whole, walk, tile, wtid, starts[s])
         blocks = cute.make_rmem_tensor((LOOKUPS,), Int32)
         ahead_tile = first + (STAGES - 1) * SCORE_WARPGROUPS
-        self.lookup(table, capacity, block_size, whole, ahead_tile, wtid, blocks)
+        self.lookup(table, capacity, block_size, whole, walk, ahead_tile, wtid, blocks)
         # The request's query tiles and weights (contiguous in global memory), by all threads.
         q_base = mQ.toint() + Int64(b) * query_tiles * TILE_BYTES
         for i in cutlass.range(tid, query_tiles * TILE_PIECES, SCORE_THREADS, unroll=1):
@@ -213,7 +222,7 @@ class IndexScores:
                 )  # fmt: skip
             index_ptx.cp_async_commit()
             next_tile = first + (ahead + 1) * SCORE_WARPGROUPS
-            self.lookup(table, capacity, block_size, whole, next_tile, wtid, blocks)
+            self.lookup(table, capacity, block_size, whole, walk, next_tile, wtid, blocks)
             stage = ring + i % STAGES
             self.score_tile(
                 sKeys + stage * TILE_BYTES, sScales + stage * TOKENS * 4,
@@ -224,16 +233,22 @@ class IndexScores:
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def lookup(self, table, capacity, block_size, whole, tile, tid, blocks):
+    def lookup(self, table, capacity, block_size, whole, walk, tile, tid, blocks):
         """Starts the reads of the block-table entries of this thread's rows of key tile
         ``tile`` into ``blocks`` (0 outside the capacity), consumed by the next load_tile:
-        with ``whole`` (blocks of whole tiles) the tile's one entry, else its LOADS copy
-        rows', then its scale row's."""
+        with ``whole`` (every tile inside one block) the tile's one entry and (blocks[1]) its
+        offset in the block, from ``walk``'s cursor, which moves on to the warpgroup's next
+        tile (lookups go in tile order); else its LOADS copy rows', then its scale row's."""
         if whole:
-            position = tile * TOKENS
+            cursor, stride_blocks, stride_offset = walk
             blocks[0] = ptx.load_global_i32_if(
-                position < capacity, table + Int64(position // block_size) * 4
+                tile * TOKENS < capacity, table + Int64(cursor[0]) * 4
             )
+            blocks[1] = cursor[1]
+            offset = cursor[1] + stride_offset
+            wrap = offset >= block_size
+            cursor[0] = cursor[0] + stride_blocks + ptx.where_i32(wrap, 1, 0)
+            cursor[1] = ptx.where_i32(wrap, offset - block_size, offset)
         else:
             for i in cutlass.range_constexpr(LOOKUPS):
                 position = tile * TOKENS + self.row(tid, i)
@@ -258,8 +273,8 @@ class IndexScores:
         into sS and live flags into sL."""
         if whole:
             self.load_whole_tile(
-                mKeys, mKeyScales, capacity, block_size, num_blocks, tile, blocks[0], sK, sS,
-                sL, tid,
+                mKeys, mKeyScales, capacity, block_size, num_blocks, tile, blocks[0],
+                blocks[1], sK, sS, sL, tid,
             )  # fmt: skip
         else:
             for i in cutlass.range_constexpr(LOOKUPS):
@@ -272,19 +287,26 @@ class IndexScores:
 
     @cute.jit
     def load_whole_tile(
-        self, mKeys, mKeyScales, capacity, block_size, num_blocks, tile, block, sK, sS, sL, tid
+        self, mKeys, mKeyScales, capacity, block_size, num_blocks, tile, block, offset, sK, sS,
+        sL, tid,
     ):  # fmt: skip
-        """load_tile of a tile inside one block (``block``): one block check for the tile,
-        and a thread's rows 16 apart in the cache as in shared memory (the swizzle repeats
-        every 8 rows), so its copies differ by constant offsets. A row past the capacity (a
-        flat cache's last, partial tile) is not read."""
+        """load_tile of a tile inside one block (``block``, from token ``offset`` of it): one
+        block check for the tile, and the thread's copies at constant offsets from the tile's
+        first cache row (its 16-byte pieces (tid + WG_THREADS * i) of the tile, which is
+        contiguous). A row past the capacity (a flat cache's last, partial tile) is not
+        read."""
         start = tile * TOKENS
         live = (block >= 0) & (block < num_blocks)
-        first = Int64(block) * block_size + start % block_size  # the tile's first cache row
+        first = Int64(block) * block_size + offset  # the tile's first cache row
         if start + TOKENS <= capacity:
-            for i in cutlass.range_constexpr(LOOKUPS):
-                row = self.row(tid, i)
-                self.copy_row(mKeys, mKeyScales, first + row, live, row, i, sK, sS, sL, tid)
+            # Outside the cache: no byte is read (source size 0), from an address kept in it.
+            keys = mKeys.toint() + ptx.where_i64(live, first * DIM, 0) + tid * 16
+            for i in cutlass.range_constexpr(LOADS):
+                piece = tid + WG_THREADS * i
+                dst = sK + swizzled(piece // PIECES, piece % PIECES)
+                index_ptx.cp_async_16(dst, keys + WG_THREADS * 16 * i, ptx.where_i32(live, 16, 0))
+            row = self.row(tid, LOADS)
+            self.copy_row(mKeys, mKeyScales, first + row, live, row, LOADS, sK, sS, sL, tid)
         else:  # rows past the capacity (a flat cache's last tile, or none at all) stay unread
             for i in cutlass.range_constexpr(LOOKUPS):
                 row = self.row(tid, i)
