@@ -46,18 +46,20 @@ STEP = TOPK_THREADS * ELEMENTS  # order keys per pass step (< 2**15: the scan's 
 assert STEP < 2**15
 # Bins whose cluster-wide sums one CTA of a cluster holds: BINS / cluster, at most MAX_CHUNK.
 MAX_CHUNK = BINS // min(c for c in TOPK_CLUSTERS if c > 1)
-# Static layout: [BINS] u32 this CTA's histogram; [len(DIGITS), chunk] u32 the cluster-wide
-# sums of this CTA's chunk of bins, one buffer per pass (the peers add into them, so none is
-# reused); [2, WARPS] u32 scan partials; [2, WARPS] u32 the warps' counts of taken keys
-# (apart from the scan's: the write pass reuses those right after a cluster barrier only);
-# [4] i32 selection state; [2] u32 this CTA's counts of taken keys (above, equal), read by
-# the cluster's later CTAs.
+# Static layout: [len(DIGITS), BINS] u32 this CTA's histogram, one per pass (all zeroed before
+# the PDL wait, so no pass waits for a clear); [len(DIGITS), chunk] u32 the cluster-wide sums
+# of this CTA's chunk of bins, one buffer per pass (the peers add into them, so none is
+# reused); [2, WARPS] u32 the write pass's scan partials; [2, WARPS] u32 the warps' counts of
+# taken keys; [len(DIGITS), WARPS] u32 the threshold search's partials and [len(DIGITS), 4]
+# i32 its selection state, one of each per pass (no barrier frees them for the next); [2]
+# u32 this CTA's counts of taken keys (above, equal), read by the cluster's later CTAs.
 HIST_OFFSET = 0
-REDUCED_OFFSET = HIST_OFFSET + BINS * 4
+REDUCED_OFFSET = HIST_OFFSET + len(DIGITS) * BINS * 4
 SCAN_OFFSET = REDUCED_OFFSET + len(DIGITS) * MAX_CHUNK * 4
 COUNTS_OFFSET = SCAN_OFFSET + 2 * WARPS * 4
-STATE_OFFSET = COUNTS_OFFSET + 2 * WARPS * 4
-TOTALS_OFFSET = STATE_OFFSET + 16
+SEARCH_OFFSET = COUNTS_OFFSET + 2 * WARPS * 4
+STATE_OFFSET = SEARCH_OFFSET + len(DIGITS) * WARPS * 4
+TOTALS_OFFSET = STATE_OFFSET + len(DIGITS) * 16
 TOPK_SMEM = TOTALS_OFFSET + 16
 
 # The ABIs: global pointers, then u32 sizes.

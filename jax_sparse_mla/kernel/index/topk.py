@@ -40,6 +40,7 @@ from jax_sparse_mla.kernel.index.config import (
     HIST_OFFSET,
     REDUCED_OFFSET,
     SCAN_OFFSET,
+    SEARCH_OFFSET,
     STATE_OFFSET,
     STEP,
     TOPK_SMEM,
@@ -129,18 +130,20 @@ class RadixTopk:
         base = smem.allocate(TOPK_SMEM, 16).toint()
         sHist, sReduced = base + HIST_OFFSET, base + REDUCED_OFFSET
         sScan, sCounts = base + SCAN_OFFSET, base + COUNTS_OFFSET
-        sState, sTotals = base + STATE_OFFSET, base + TOTALS_OFFSET
+        sSearch, sState = base + SEARCH_OFFSET, base + STATE_OFFSET
+        sTotals = base + TOTALS_OFFSET
         tid, _, _ = cute.arch.thread_idx()
         x, b, _ = cute.arch.block_idx()
         part, t = x % self.cluster, x // self.cluster
+        # Every pass's histogram zero before its first add, while the scores kernel finishes.
+        self.zero(sHist, len(DIGITS) * BINS, tid)
         if cutlass.const_expr(self.cluster > 1):
             # The peers add into the sums of every pass: zero before the cluster barrier
             # that the wait below completes.
-            vectors = len(DIGITS) * self.chunk // 4
-            for i in cutlass.range_constexpr(-(-vectors // TOPK_THREADS)):
-                if tid + i * TOPK_THREADS < vectors:
-                    ptx.store_shared_v4(sReduced + (tid + i * TOPK_THREADS) * 16, 0, 0, 0, 0)
+            self.zero(sReduced, len(DIGITS) * self.chunk, tid)
             cute.arch.cluster_arrive()
+        else:
+            cute.arch.sync_threads()
         cute.arch.griddepcontrol_wait()
 
         row = Int64(b) * steps + t
@@ -174,11 +177,12 @@ class RadixTopk:
             for d in cutlass.range_constexpr(len(DIGITS)):
                 shift, bits = DIGITS[d]
                 if settled == 0:
-                    self.histogram(
-                        sHist, keys, lo, hi, held, prefix, mask, shift, bits, d == 0, tid
+                    hist = sHist + d * BINS * 4
+                    self.histogram(hist, keys, lo, hi, held, prefix, mask, shift, bits, d == 0, tid)
+                    counts = self.row_counts(hist, sReduced + d * self.chunk * 4, tid)
+                    digit, above, inside = self.threshold(
+                        counts, sSearch + d * WARPS * 4, sState + d * 16, remaining, tid
                     )
-                    counts = self.row_counts(sHist, sReduced + d * self.chunk * 4, tid)
-                    digit, above, inside = self.threshold(counts, sScan, sState, remaining, tid)
                     prefix = prefix | (digit << shift)
                     mask = mask | signed(((1 << bits) - 1) << shift)
                     remaining = remaining - above
@@ -194,12 +198,17 @@ class RadixTopk:
             cute.arch.cluster_wait()  # no CTA exits while a peer may still read its counts
 
     @cute.jit
+    def zero(self, region, words: int, tid):
+        """Zeroes ``words`` (a multiple of 4) u32 of shared memory from ``region``."""
+        vectors = words // 4
+        for i in cutlass.range_constexpr(-(-vectors // TOPK_THREADS)):
+            if tid + i * TOPK_THREADS < vectors:
+                ptx.store_shared_v4(region + (tid + i * TOPK_THREADS) * 16, 0, 0, 0, 0)
+
+    @cute.jit
     def histogram(self, sHist, keys, lo, hi, held, prefix, mask, shift, bits, aggregate, tid):
-        """sHist[d] = how many candidate keys (not 0) of [lo, hi) with (key & mask) == prefix
-        have digit d (bits ``shift`` .. ``shift + bits``)."""
-        for i in cutlass.range_constexpr(BINS_EACH):
-            ptx.store_shared_u32(sHist + (tid + TOPK_THREADS * i) * 4, 0)
-        cute.arch.sync_threads()
+        """Adds to sHist[d] (zero before the pass) how many candidate keys (not 0) of [lo, hi)
+        with (key & mask) == prefix have digit d (bits ``shift`` .. ``shift + bits``)."""
         for start in cutlass.range(lo, hi, STEP, unroll=1):
             words = self.step_keys(keys, lo, hi, start, held, tid)
             for e in cutlass.range_constexpr(ELEMENTS):
@@ -267,7 +276,7 @@ class RadixTopk:
         """(digit, above, inside) from the row's histogram (``counts``: this thread's bins,
         see row_counts): the digit whose keys hold the remaining-th largest, how many keys
         have a larger digit, and how many that digit (one thread of each CTA finds it; every
-        CTA the same)."""
+        CTA the same). ``sScan`` and ``sState`` are this pass's own."""
         warp, lane = tid // 32, tid % 32
         mine = Int32(0)
         for i in cutlass.range_constexpr(BINS_EACH):
@@ -293,7 +302,6 @@ class RadixTopk:
             above = above + counts[i]
         cute.arch.sync_threads()
         state = [ptx.load_shared_u32(sState + i * 4) for i in range(3)]
-        cute.arch.sync_threads()  # sScan and sState are free again
         return state[0], state[1], state[2]
 
     @cute.jit
