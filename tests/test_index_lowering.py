@@ -490,7 +490,7 @@ def test_ffi_mirrors_the_kernels_static_sizes():
     constants = {
         name: eval(expr, {"__builtins__": {}})  # constexpr sums / products of literals
         for name, expr in re.findall(
-            r"constexpr \w+(?: \w+)? (k\w+) = ([\d\s*+]+);", source.read_text()
+            r"constexpr \w+(?: \w+)? (k\w+) =\s*([\d\s*+]+);", source.read_text()
         )
     }
     assert constants == {

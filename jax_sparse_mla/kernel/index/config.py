@@ -44,6 +44,7 @@ VECTORS = 4  # 16-byte loads in flight per thread and pass step
 ELEMENTS = VECTORS * 4  # consecutive order keys per thread and step
 STEP = TOPK_THREADS * ELEMENTS  # order keys per pass step (< 2**15: the scan's packing)
 assert STEP < 2**15
+STASHED_STEPS = 3  # pass steps after a CTA's first that stay in shared memory (96 KiB)
 # Bins whose cluster-wide sums one CTA of a cluster holds: BINS / cluster, at most MAX_CHUNK.
 MAX_CHUNK = BINS // min(c for c in TOPK_CLUSTERS if c > 1)
 # Static layout: [len(DIGITS), BINS] u32 this CTA's histogram, one per pass (all zeroed before
@@ -51,8 +52,10 @@ MAX_CHUNK = BINS // min(c for c in TOPK_CLUSTERS if c > 1)
 # of this CTA's chunk of bins, one buffer per pass (the peers add into them, so none is
 # reused); [2, WARPS] u32 the write pass's scan partials; [2, WARPS] u32 the warps' counts of
 # taken keys; [len(DIGITS), WARPS] u32 the threshold search's partials and [len(DIGITS), 4]
-# i32 its selection state, one of each per pass (no barrier frees them for the next); [2]
-# u32 this CTA's counts of taken keys (above, equal), read by the cluster's later CTAs.
+# i32 its selection state, one of each per pass (no barrier frees them for the next); [4]
+# u32 this CTA's counts of taken keys (above, equal), read by the cluster's later CTAs;
+# [STASHED_STEPS, VECTORS, TOPK_THREADS, 4] u32 the slice's steps after its first (each
+# thread's own vectors: read back by the thread that copied them).
 HIST_OFFSET = 0
 REDUCED_OFFSET = HIST_OFFSET + len(DIGITS) * BINS * 4
 SCAN_OFFSET = REDUCED_OFFSET + len(DIGITS) * MAX_CHUNK * 4
@@ -60,7 +63,8 @@ COUNTS_OFFSET = SCAN_OFFSET + 2 * WARPS * 4
 SEARCH_OFFSET = COUNTS_OFFSET + 2 * WARPS * 4
 STATE_OFFSET = SEARCH_OFFSET + len(DIGITS) * WARPS * 4
 TOTALS_OFFSET = STATE_OFFSET + len(DIGITS) * 16
-TOPK_SMEM = TOTALS_OFFSET + 16
+STASH_OFFSET = TOTALS_OFFSET + 16
+TOPK_SMEM = STASH_OFFSET + STASHED_STEPS * STEP * 4
 
 # The ABIs: global pointers, then u32 sizes.
 SCORE_PARAMS = (

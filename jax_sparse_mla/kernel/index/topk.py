@@ -41,6 +41,8 @@ from jax_sparse_mla.kernel.index.config import (
     REDUCED_OFFSET,
     SCAN_OFFSET,
     SEARCH_OFFSET,
+    STASH_OFFSET,
+    STASHED_STEPS,
     STATE_OFFSET,
     STEP,
     TOPK_SMEM,
@@ -131,7 +133,7 @@ class RadixTopk:
         sHist, sReduced = base + HIST_OFFSET, base + REDUCED_OFFSET
         sScan, sCounts = base + SCAN_OFFSET, base + COUNTS_OFFSET
         sSearch, sState = base + SEARCH_OFFSET, base + STATE_OFFSET
-        sTotals = base + TOTALS_OFFSET
+        sTotals, sStash = base + TOTALS_OFFSET, base + STASH_OFFSET
         tid, _, _ = cute.arch.thread_idx()
         x, b, _ = cute.arch.block_idx()
         part, t = x % self.cluster, x // self.cluster
@@ -159,6 +161,10 @@ class RadixTopk:
         first = self.load_step(keys, hi, lo, tid)
         for e in cutlass.range_constexpr(ELEMENTS):
             held[e] = first[e]
+        if hi - lo > STEP:  # the next steps into shared memory, read from L2 once
+            for s in cutlass.range_constexpr(STASHED_STEPS):
+                self.stash_step(keys, hi, lo + (s + 1) * STEP, sStash + s * STEP * 4, tid)
+            index_ptx.cp_async_commit()
         # Every slot empty first; the taken keys overwrite theirs after the cluster barriers
         # below (which order these stores before them).
         for i in cutlass.range(part * TOPK_THREADS + tid, top_k, TOPK_THREADS * self.cluster):
@@ -166,6 +172,7 @@ class RadixTopk:
             ptx.store_global_f32(scores + Int64(i) * 4, Float32(-math.inf))
         if cutlass.const_expr(self.cluster > 1):
             cute.arch.cluster_wait()  # every peer's sums are zero
+        index_ptx.cp_async_wait(0)  # this thread's stashed keys landed
 
         # Selection state: keys k with (k & mask) > prefix (unsigned) are taken, and of those
         # with (k & mask) == prefix the first `remaining` by position. n <= top_k: all.
@@ -178,7 +185,9 @@ class RadixTopk:
                 shift, bits = DIGITS[d]
                 if settled == 0:
                     hist = sHist + d * BINS * 4
-                    self.histogram(hist, keys, lo, hi, held, prefix, mask, shift, bits, d == 0, tid)
+                    self.histogram(
+                        hist, keys, lo, hi, held, sStash, prefix, mask, shift, bits, d == 0, tid
+                    )
                     counts = self.row_counts(hist, sReduced + d * self.chunk * 4, tid)
                     digit, above, inside = self.threshold(
                         counts, sSearch + d * WARPS * 4, sState + d * 16, remaining, tid
@@ -188,11 +197,11 @@ class RadixTopk:
                     remaining = remaining - above
                     settled = ptx.where_i32(inside == remaining, 1, 0)
         run_above, run_equal = self.offsets(
-            sCounts, sTotals, keys, lo, hi, held, prefix, mask, part, tid
+            sCounts, sTotals, keys, lo, hi, held, sStash, prefix, mask, part, tid
         )
         self.emit(
-            sScan, keys, lo, hi, held, prefix, mask, remaining, run_above, run_equal, tokens,
-            scores, top_k, tid,
+            sScan, keys, lo, hi, held, sStash, prefix, mask, remaining, run_above, run_equal,
+            tokens, scores, top_k, tid,
         )  # fmt: skip
         if cutlass.const_expr(self.cluster > 1):
             cute.arch.cluster_wait()  # no CTA exits while a peer may still read its counts
@@ -206,11 +215,13 @@ class RadixTopk:
                 ptx.store_shared_v4(region + (tid + i * TOPK_THREADS) * 16, 0, 0, 0, 0)
 
     @cute.jit
-    def histogram(self, sHist, keys, lo, hi, held, prefix, mask, shift, bits, aggregate, tid):
+    def histogram(
+        self, sHist, keys, lo, hi, held, sStash, prefix, mask, shift, bits, aggregate, tid
+    ):
         """Adds to sHist[d] (zero before the pass) how many candidate keys (not 0) of [lo, hi)
         with (key & mask) == prefix have digit d (bits ``shift`` .. ``shift + bits``)."""
         for start in cutlass.range(lo, hi, STEP, unroll=1):
-            words = self.step_keys(keys, lo, hi, start, held, tid)
+            words = self.step_keys(keys, lo, hi, start, held, sStash, tid)
             for e in cutlass.range_constexpr(ELEMENTS):
                 position = start + tid * ELEMENTS + e
                 key = words[e]
@@ -227,19 +238,38 @@ class RadixTopk:
                     index_ptx.shared_add(sHist + digit * 4, 1)
 
     @cute.jit
-    def step_keys(self, keys, lo, hi, start, held, tid):
+    def step_keys(self, keys, lo, hi, start, held, sStash, tid):
         """This thread's keys of the step at ``start``: the slice's first step from ``held``
         (read once, at the start: most slices are one step, so the passes re-read nothing),
-        later ones from memory."""
+        the next STASHED_STEPS from ``sStash`` (stash_step's), later ones from memory."""
         words = cute.make_rmem_tensor((ELEMENTS,), Int32)
         if start == lo:
             for e in cutlass.range_constexpr(ELEMENTS):
                 words[e] = held[e]
+        elif start - lo <= STASHED_STEPS * STEP:
+            stash = sStash + ((start - lo) // STEP - 1) * STEP * 4 + tid * 16
+            for v in cutlass.range_constexpr(VECTORS):
+                vector = ptx.load_shared_v4(stash + v * TOPK_THREADS * 16)
+                for w in cutlass.range_constexpr(4):
+                    words[4 * v + w] = vector[w]
         else:
             loaded = self.load_step(keys, hi, start, tid)
             for e in cutlass.range_constexpr(ELEMENTS):
                 words[e] = loaded[e]
         return words
+
+    @cute.jit
+    def stash_step(self, keys, hi, start, stash, tid):
+        """cp.async of this thread's vectors of the step at ``start`` into ``stash``, vector v
+        at v * TOPK_THREADS + tid (consecutive threads, consecutive 16 bytes); zeros for
+        vectors wholly past hi (not read)."""
+        for v in cutlass.range_constexpr(VECTORS):
+            first = start + tid * ELEMENTS + 4 * v
+            index_ptx.cp_async_16(
+                stash + (v * TOPK_THREADS + tid) * 16,
+                keys + Int64(first) * 4,
+                ptx.where_i32(first < hi, 16, 0),
+            )
 
     @cute.jit
     def load_step(self, keys, hi, start, tid):
@@ -311,14 +341,14 @@ class RadixTopk:
         ptx.store_shared_u32(sState + 8, inside)
 
     @cute.jit
-    def offsets(self, sCounts, sTotals, keys, lo, hi, held, prefix, mask, part, tid):
+    def offsets(self, sCounts, sTotals, keys, lo, hi, held, sStash, prefix, mask, part, tid):
         """(above, equal): how many candidate keys above / equal to the threshold the slices
         before this CTA's hold (its taken keys' ranks start there). Arrives on the cluster
         barrier that the kernel's last wait completes."""
         warp, lane = tid // 32, tid % 32
         above, equal = Int32(0), Int32(0)
         for start in cutlass.range(lo, hi, STEP, unroll=1):
-            words = self.step_keys(keys, lo, hi, start, held, tid)
+            words = self.step_keys(keys, lo, hi, start, held, sStash, tid)
             for e in cutlass.range_constexpr(ELEMENTS):
                 kind = self.classify(words[e], start + tid * ELEMENTS + e, hi, prefix, mask)
                 above = above + (kind >> 16)
@@ -353,7 +383,7 @@ class RadixTopk:
 
     @cute.jit
     def emit(
-        self, sScan, keys, lo, hi, held, prefix, mask, remaining, run_above, run_equal,
+        self, sScan, keys, lo, hi, held, sStash, prefix, mask, remaining, run_above, run_equal,
         tokens, scores, top_k, tid,
     ):  # fmt: skip
         """Writes the slice's taken keys' positions and scores in position order: a key above
@@ -362,7 +392,7 @@ class RadixTopk:
         warp, lane = tid // 32, tid % 32
         parity = Int32(0)
         for start in cutlass.range(lo, hi, STEP, unroll=1):
-            words = self.step_keys(keys, lo, hi, start, held, tid)
+            words = self.step_keys(keys, lo, hi, start, held, sStash, tid)
             kinds = [
                 self.classify(words[e], start + tid * ELEMENTS + e, hi, prefix, mask)
                 for e in range(ELEMENTS)
