@@ -30,9 +30,10 @@ dense float32 attention over the same selected keys (dequantized FP8 query and c
 softmax) and the selected tokens against a float64 top-k of the same FP8 index operands; on a
 GPU it checks that the kernel path selects the reference path's tokens, except where scores tie
 within FP32 rounding at a row's k-th score (examples/token_agreement.py). Then it times the
-jitted step. Each phase of the step is a ``jax.named_scope``: cache_write (1), query (2),
-index_query (3: the index query, its quantization and the weights) and index_topk (3: the op),
-sparse_decode (4), output_projection (5).
+jitted step. Each phase of the step is a ``jax.named_scope``: projections (1-3: every
+projection of x, one GEMM over the fused weights), cache_write (1), query (2), index_query (3:
+the index query, its quantization and the weights) and index_topk (3: the op), sparse_decode
+(4), output_projection (5).
 
 Output, per path:
 
@@ -99,7 +100,15 @@ PUSH_TARGET = "jax_sparse_mla_decode_push"  # the pushing decode (cuda_lowering.
 INDEX_TARGET = "jax_sparse_mla_index_topk"  # index_topk's kernel (its XLA custom call)
 # The step's phases: jax.named_scope names in the step, rows of the GPU time table (plus
 # "collectives" under DCP and "other" for what no phase claims).
-PHASES = ("cache_write", "query", "index_query", "index_topk", "sparse_decode", "output_projection")
+PHASES = (
+    "projections",
+    "cache_write",
+    "query",
+    "index_query",
+    "index_topk",
+    "sparse_decode",
+    "output_projection",
+)
 
 # Relative error (Frobenius, over all verify rows) of the layer output against the dense
 # float32 attention over the same keys. Both sides read the same FP8 query and cache, so the
@@ -223,6 +232,25 @@ def log(message: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+class XParts(NamedTuple):
+    """The projections of the step's input x [R, hidden], float32 (x_projections)."""
+
+    q_a: jax.Array  # [R, q_lora_rank], before its RMSNorm
+    kv: jax.Array  # [R, 576]: the cache row's latent and rope parts, before norm and RoPE
+    index_key: jax.Array  # [R, 128], before its LayerNorm and RoPE
+    index_weights: jax.Array  # [R, index_heads]: the indexer's head weights, unscaled
+
+
+X_PARTS = ("wq_a", "wkv_a", "wi_k", "wi_w")  # XParts' weights, fused into w["w_x"]
+
+
+def x_projections(w: dict, x: jax.Array) -> XParts:
+    """x [R, hidden] times the fused [wq_a | wkv_a | wi_k | wi_w], split into its parts."""
+    fused = dot(x, w["w_x"], "rd,dc->rc")
+    ends = np.cumsum([w["q_a_norm"].shape[0], CACHE_WIDTH, INDEX_HEAD_DIM])
+    return XParts(*jnp.split(fused, ends, axis=-1))
+
+
 def init_weights(cfg: LayerConfig, seed: int) -> dict[str, jax.Array]:
     """Random bf16 weights, N(0, 1/fan_in) so activations stay O(1). numpy's generator: far
     quicker here than compiling jax.random for every weight shape on a CPU."""
@@ -251,6 +279,9 @@ def init_weights(cfg: LayerConfig, seed: int) -> dict[str, jax.Array]:
     ]:
         weights[name] = jnp.ones((width,), jnp.bfloat16)
     weights["wi_k_bias"] = jnp.zeros((INDEX_HEAD_DIM,), jnp.bfloat16)
+    # The projections of x run as one GEMM (as serving stacks fuse q_a and kv_a): a [hidden,
+    # 64] or [hidden, 128] product alone leaves most of the GPU idle.
+    weights["w_x"] = jnp.concatenate([weights.pop(name) for name in X_PARTS], axis=1)
     return weights
 
 
@@ -315,18 +346,17 @@ def to_fp8_vectors(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return to_fp8(x, scales), scales[..., 0]
 
 
-def cache_entries(w: dict, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+def cache_entries(w: dict, parts: XParts, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Tokens' MLA cache rows [T, 576] and indexer keys [T, 128], float32."""
-    kv = dot(x, w["wkv_a"], "td,dc->tc")
-    latent = rms_norm(kv[:, :KV_LORA_RANK], w["kv_a_norm"])
-    k_rope = rope(kv[:, KV_LORA_RANK:], positions)
-    index_key = layer_norm(dot(x, w["wi_k"], "td,dk->tk"), w["wi_k_norm"], w["wi_k_bias"])
+    latent = rms_norm(parts.kv[:, :KV_LORA_RANK], w["kv_a_norm"])
+    k_rope = rope(parts.kv[:, KV_LORA_RANK:], positions)
+    index_key = layer_norm(parts.index_key, w["wi_k_norm"], w["wi_k_bias"])
     return jnp.concatenate([latent, k_rope], axis=-1), rope_head(index_key, positions)
 
 
-def absorbed_query(w: dict, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+def absorbed_query(w: dict, parts: XParts, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Absorbed MLA query [R, H, 576] float32 and the normalized q_a [R, q_lora_rank]."""
-    q_a = rms_norm(dot(x, w["wq_a"], "rd,dq->rq"), w["q_a_norm"])
+    q_a = rms_norm(parts.q_a, w["q_a_norm"])
     q = dot(q_a, w["wq_b"], "rq,qhc->rhc")
     nope_dim = w["w_uk"].shape[1]
     q_latent = dot(q[..., :nope_dim], w["w_uk"], "rhn,hnc->rhc")
@@ -335,7 +365,7 @@ def absorbed_query(w: dict, x: jax.Array, positions: jax.Array) -> tuple[jax.Arr
 
 
 def index_query(
-    w: dict, x: jax.Array, q_a: jax.Array, positions: jax.Array
+    w: dict, parts: XParts, q_a: jax.Array, positions: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
     """The DSA indexer's query [R, index_heads, 128] float8_e4m3fn, one scale per (row, head),
     and the head weights [R, index_heads] float32 with that scale folded in: index_topk's
@@ -343,7 +373,7 @@ def index_query(
     heads = w["wi_q"].shape[1]
     q = rope_head(dot(q_a, w["wi_q"], "rq,qhk->rhk"), positions[:, None])
     q, q_scales = to_fp8_vectors(q)
-    weights = dot(x, w["wi_w"], "rd,dh->rh") * (heads**-0.5 * INDEX_HEAD_DIM**-0.5)
+    weights = parts.index_weights * (heads**-0.5 * INDEX_HEAD_DIM**-0.5)
     return q, weights * q_scales
 
 
@@ -370,16 +400,18 @@ def make_step(
 
     def step(w: dict, cache: Cache, x: jax.Array, pos: jax.Array, exchange_step: jax.Array):
         positions = pos + jnp.arange(x.shape[0], dtype=jnp.int32)
+        with jax.named_scope("projections"):
+            parts = x_projections(w, x)
         with jax.named_scope("cache_write"):
-            kv_new, index_new = cache_entries(w, x, positions)
+            kv_new, index_new = cache_entries(w, parts, positions)
             kv_new = to_fp8(kv_new, cache.kv_scale)
             index_new, index_scales_new = to_fp8_vectors(index_new)
         with jax.named_scope("query"):
-            q, q_a = absorbed_query(w, x, positions)
+            q, q_a = absorbed_query(w, parts, positions)
             q_scale = fp8_scale(q)
             q = to_fp8(q, q_scale)
         with jax.named_scope("index_query"):
-            index_q, index_weights = index_query(w, x, q_a, positions)
+            index_q, index_weights = index_query(w, parts, q_a, positions)
         # One request whose R verify rows are the last R tokens of its context.
         lengths = (pos + x.shape[0]).reshape(1).astype(jnp.int32)
 
@@ -538,8 +570,8 @@ def context_entries(
     w: dict, key: jax.Array, start: jax.Array, chunk: int
 ) -> tuple[jax.Array, jax.Array]:
     """Cache entries (float32) of `chunk` random hidden states at positions start.."""
-    x = jax.random.normal(jax.random.fold_in(key, start), (chunk, w["wkv_a"].shape[0]))
-    return cache_entries(w, x, start + jnp.arange(chunk, dtype=jnp.int32))
+    x = jax.random.normal(jax.random.fold_in(key, start), (chunk, w["w_x"].shape[0]))
+    return cache_entries(w, x_projections(w, x), start + jnp.arange(chunk, dtype=jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4))

@@ -103,6 +103,18 @@ def test_index_keys_are_fp8_with_one_scale_per_token(example):
     assert not np.any(keys[60:]) and not np.any(scales[60:])
 
 
+def test_x_projections_split_the_fused_gemm_into_its_parts(example):
+    """One GEMM over [wq_a | wkv_a | wi_k | wi_w]: each part has its own width, in order."""
+    cfg = example.SMALL
+    w = example.init_weights(cfg, seed=0)
+    x = jax.numpy.asarray(np.random.default_rng(1).standard_normal((3, cfg.hidden)))
+    parts = example.x_projections(w, x)
+    widths = [cfg.q_lora_rank, example.CACHE_WIDTH, example.INDEX_HEAD_DIM, cfg.index_heads]
+    assert [p.shape for p in parts] == [(3, width) for width in widths]
+    fused = np.asarray(example.dot(x, w["w_x"], "rd,dc->rc"))
+    np.testing.assert_array_equal(np.concatenate([np.asarray(p) for p in parts], -1), fused)
+
+
 def test_index_query_folds_its_scales_into_the_weights(example):
     """One E4M3 scale per (row, head), amax / 448, folded into the head weights with
     heads^-0.5 * 128^-0.5: weights / (W_w x * that constant) is the query's scale."""
@@ -110,12 +122,13 @@ def test_index_query_folds_its_scales_into_the_weights(example):
     w = example.init_weights(cfg, seed=0)
     x = jax.numpy.asarray(np.random.default_rng(0).standard_normal((5, cfg.hidden)))
     positions = jax.numpy.arange(60, 65, dtype=jax.numpy.int32)
-    _, q_a = example.absorbed_query(w, x, positions)
-    q8, weights = example.index_query(w, x, q_a, positions)
+    parts = example.x_projections(w, x)
+    _, q_a = example.absorbed_query(w, parts, positions)
+    q8, weights = example.index_query(w, parts, q_a, positions)
     assert q8.dtype == jax.numpy.float8_e4m3fn and q8.shape == (5, cfg.index_heads, 128)
     q = example.rope_head(example.dot(q_a, w["wi_q"], "rq,qhk->rhk"), positions[:, None])
     q = np.asarray(q, np.float64)
-    head_weights = example.dot(x, w["wi_w"], "rd,dh->rh") * (cfg.index_heads * 128) ** -0.5
+    head_weights = parts.index_weights * (cfg.index_heads * 128) ** -0.5
     q_scale = np.asarray(weights, np.float64) / np.asarray(head_weights, np.float64)
     np.testing.assert_allclose(q_scale, np.max(np.abs(q), axis=-1) / 448, rtol=1e-6)
     error = np.abs(np.asarray(q8, np.float64) * q_scale[..., None] - q)
