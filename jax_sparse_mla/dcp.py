@@ -96,41 +96,15 @@ def local_rows(
         raise TypeError(f"tokens must be an integer array, got {_shape_str(tokens)}")
     if isinstance(rank, int) and not 0 <= rank < dcp_size:
         raise ValueError(f"rank must be in [0, {dcp_size}), got {rank}")
-    if (block_table is None) != (block_size is None):
-        raise ValueError(
-            "block_table and block_size go together, got "
-            f"block_table={'None' if block_table is None else _shape_str(block_table)}, "
-            f"block_size={block_size!r}"
-        )
+    check_block_table(tokens, block_table, block_size)
     batch, width = tokens.shape
-    if block_table is not None:
-        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
-            raise ValueError(f"block_size must be a Python int >= 1, got {block_size!r}")
-        if (
-            block_table.ndim != 2
-            or block_table.shape[0] not in (1, batch)
-            or not jnp.issubdtype(block_table.dtype, jnp.integer)
-        ):
-            raise ValueError(
-                f"block_table must be integer [{batch} or 1, blocks] for tokens "
-                f"{tuple(tokens.shape)}, got {_shape_str(block_table)}"
-            )
 
     tokens = tokens.astype(jnp.int32)
     rank = jnp.asarray(rank, jnp.int32)
     mine = (tokens >= 0) & (tokens % dcp_size == rank)
     position = tokens // dcp_size
     if block_table is not None:
-        table = block_table.astype(jnp.int32)
-        blocks = table.shape[1]
-        block_index = position // block_size
-        block = jnp.take_along_axis(
-            jnp.broadcast_to(table, (batch, blocks)),
-            jnp.clip(block_index, 0, blocks - 1),
-            axis=1,
-        )
-        mapped = (block_index < blocks) & (block >= 0)
-        position = jnp.where(mapped, block * block_size + position % block_size, FILL_ROW)
+        position = paged_rows(position, block_table, block_size)
 
     # Stable compaction by scatter: the i-th token of this rank goes to slot i; each other
     # entry aims at its own slot past K (indices stay unique: no atomics), which is dropped.
@@ -141,6 +115,47 @@ def local_rows(
     rows = rows.at[batch_index, slot].set(position, mode="drop", unique_indices=True)
     valid = jnp.sum(mine, axis=1, dtype=jnp.int32)
     return rows, valid
+
+
+def check_block_table(tokens: jax.Array, block_table, block_size) -> None:
+    """ValueError unless block_table [B or 1, blocks] (integer) and block_size (int >= 1) are
+    both given or both None, for tokens [B, K]."""
+    if (block_table is None) != (block_size is None):
+        raise ValueError(
+            "block_table and block_size go together, got "
+            f"block_table={'None' if block_table is None else _shape_str(block_table)}, "
+            f"block_size={block_size!r}"
+        )
+    if block_table is None:
+        return
+    if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+        raise ValueError(f"block_size must be a Python int >= 1, got {block_size!r}")
+    batch = tokens.shape[0]
+    if (
+        not hasattr(block_table, "ndim")
+        or block_table.ndim != 2
+        or block_table.shape[0] not in (1, batch)
+        or not jnp.issubdtype(block_table.dtype, jnp.integer)
+    ):
+        raise ValueError(
+            f"block_table must be integer [{batch} or 1, blocks] for tokens "
+            f"{tuple(tokens.shape)}, got "
+            f"{_shape_str(block_table) if hasattr(block_table, 'shape') else block_table!r}"
+        )
+
+
+def paged_rows(position: jax.Array, block_table: jax.Array, block_size: int) -> jax.Array:
+    """Flat rows [B, K] int32 of the local positions [B, K] (>= 0) through a [B or 1, blocks]
+    block table: FILL_ROW where the block index is past the table or its entry is negative."""
+    batch = position.shape[0]
+    table = block_table.astype(jnp.int32)
+    blocks = table.shape[1]
+    block_index = position // block_size
+    block = jnp.take_along_axis(
+        jnp.broadcast_to(table, (batch, blocks)), jnp.clip(block_index, 0, blocks - 1), axis=1
+    )
+    mapped = (block_index < blocks) & (block >= 0)
+    return jnp.where(mapped, block * block_size + position % block_size, FILL_ROW)
 
 
 def _step_scalar(step) -> jax.Array:

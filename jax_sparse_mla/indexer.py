@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_sparse_mla import index_validation, reference, validation
-from jax_sparse_mla.dcp import local_rows
+from jax_sparse_mla.dcp import FILL_ROW, check_block_table, paged_rows
 from jax_sparse_mla.index_primitive import HEAD_TILE, index_topk_p
 
 __all__ = ["index_topk", "token_rows"]
@@ -83,8 +83,8 @@ def token_rows(
     block_table: jax.Array | None = None,
     block_size: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """Map ``index_topk``'s tokens to the flat cache rows and valid counts of ``decode``:
-    ``local_rows`` of one rank holding every token, with each verify row its own row.
+    """Map ``index_topk``'s tokens to the flat cache rows and valid counts of ``decode``, each
+    verify row its own decode row.
 
     Args:
       tokens: [B, T, K] (or [B, K]) integer token positions as ``index_topk`` returns them:
@@ -96,37 +96,37 @@ def token_rows(
       block_size: tokens per block; required with ``block_table``, else not allowed.
 
     Returns:
-      rows: [B * T, K] (or [B, K]) int32; row ``b * T + t`` holds the rows of
-        ``tokens[b, t]`` in token order, packed to the front, then ``FILL_ROW`` (-1). A
-        position whose block index falls outside the table or whose table entry is negative
-        keeps its slot with row -1 (decode skips rows outside [0, N)).
-      valid: [B * T] (or [B]) int32, the number of tokens >= 0 per row: decode's
-        ``rows[r, :valid[r]]`` are exactly the row's tokens.
+      rows: [B * T, K] (or [B, K]) int32; slot i of row ``b * T + t`` holds the flat row of
+        ``tokens[b, t, i]``, or ``FILL_ROW`` (-1) where that token is negative, its block
+        index falls outside the table or its table entry is negative (decode skips rows
+        outside [0, N)).
+      valid: [B * T] (or [B]) int32, one past the last slot holding a token >= 0. For
+        ``index_topk``'s tokens (packed to the front) that is their count, and
+        ``rows[r, :valid[r]]`` are exactly the row's tokens. Tokens keep their slots (no
+        compaction: index_topk's are already packed, and a cumsum and a scatter would cost
+        ~8 us per step on an H200), so a -1 between tokens stays there and decode skips it.
 
     Jittable, no host synchronization.
     """
     if not hasattr(tokens, "ndim") or tokens.ndim not in (2, 3):
         raise ValueError(f"tokens must be [B, T, K] or [B, K], got {_describe(tokens)}")
-    batch, steps = tokens.shape[0], tokens.shape[1] if tokens.ndim == 3 else 1
-    if block_table is not None:
-        if (
-            not hasattr(block_table, "ndim")
-            or block_table.ndim != 2
-            or (block_table.shape[0] not in (1, batch))
-        ):
-            raise ValueError(
-                f"block_table must be integer [{batch} or 1, max_blocks] for tokens "
-                f"{tuple(tokens.shape)}, got {_describe(block_table)}"
-            )
-        if block_table.shape[0] == batch:  # one table row per verify row
-            block_table = jnp.repeat(block_table, steps, axis=0)
-    return local_rows(
-        tokens.reshape(batch * steps, tokens.shape[-1]),
-        rank=0,
-        dcp_size=1,
-        block_table=block_table,
-        block_size=block_size,
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"tokens must be an integer array, got {_describe(tokens)}")
+    check_block_table(tokens, block_table, block_size)
+    batch, steps, width = (
+        tokens.shape[0],
+        tokens.shape[1] if tokens.ndim == 3 else 1,
+        tokens.shape[-1],
     )
+    tokens = tokens.astype(jnp.int32).reshape(batch * steps, width)
+    present = tokens >= 0
+    valid = jnp.max(jnp.where(present, jnp.arange(1, width + 1, dtype=jnp.int32), 0), axis=1)
+    if block_table is None:
+        return jnp.where(present, tokens, FILL_ROW), valid
+    if block_table.shape[0] == batch and steps > 1:  # one table row per verify row
+        block_table = jnp.repeat(block_table, steps, axis=0)
+    rows = paged_rows(jnp.maximum(tokens, 0), block_table, block_size)
+    return jnp.where(present, rows, FILL_ROW), valid
 
 
 def _describe(x) -> str:

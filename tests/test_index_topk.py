@@ -400,7 +400,7 @@ def token_rows_numpy(tokens, table=None, block_size=None):
             for i, n in enumerate(tokens[b, t]):
                 if n < 0:
                     continue
-                valid[r] += 1
+                valid[r] = i + 1  # one past the last token
                 if table is None:
                     rows[r, i] = n
                     continue
@@ -474,6 +474,24 @@ def test_token_rows_shapes_and_table_edges():
     np.testing.assert_array_equal(
         np.asarray(jitted(tokens, block_table=jnp.asarray(table), block_size=6)[0]), want_rows
     )
+
+
+def test_token_rows_keep_slots():
+    """Tokens keep their slots (no compaction): a -1 between tokens stays a hole inside
+    valid, which decode skips, so decode sees the same keys as over the packed rows."""
+    tokens = jnp.array([[3, -1, 7, -1], [-1, -1, -1, -1], [-1, 2, -1, -1]], jnp.int32)
+    rows, valid = jax_sparse_mla.token_rows(tokens)
+    np.testing.assert_array_equal(np.asarray(rows), np.asarray(tokens))
+    np.testing.assert_array_equal(np.asarray(valid), [3, 0, 2])
+    rng = np.random.default_rng(3)
+    q, kv, _ = make_inputs(rng, 3, 8, 16, 1)
+    packed = np.array([[3, 7, -1, -1], [-1, -1, -1, -1], [2, -1, -1, -1]], np.int32)
+    latent, lse = jax_sparse_mla.decode(q, kv, rows, valid, softmax_scale=0.1)
+    want_latent, want_lse = jax_sparse_mla.decode(
+        q, kv, jnp.asarray(packed), jnp.array([2, 0, 1], jnp.int32), softmax_scale=0.1
+    )
+    np.testing.assert_array_equal(np.asarray(latent), np.asarray(want_latent))
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
 
 
 def test_token_rows_errors():
