@@ -44,7 +44,8 @@ constexpr int64_t kScoreSmemPerQueryTile = 8192 + 64 * 4;
 constexpr int64_t kMaxQueryTiles = 16;
 constexpr unsigned int kTopkThreads = 512;
 constexpr unsigned int kTopkSmem =
-    3 * 2048 * 4 + 3 * 1024 * 4 + 2 * 2 * 16 * 4 + 3 * 16 * 4 + 3 * 16 + 16 + 3 * 8192 * 4;
+    3 * 2048 * 4 + 3 * 1024 * 4 + 2 * 4 * 16 * 4 + 2 * 16 * 4 + 3 * 16 * 4 + 3 * 16 + 16 +
+    3 * 8192 * 4;
 constexpr int64_t kMaxGridY = 65535;
 
 struct IndexSpec {

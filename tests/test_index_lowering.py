@@ -488,7 +488,7 @@ def test_ffi_mirrors_the_kernels_static_sizes():
     a layout change on one side only would launch with the wrong shared memory."""
     source = pathlib.Path(__file__).parents[1] / "ffi" / "index_topk_ffi.cc"
     constants = {
-        name: eval(expr, {"__builtins__": {}})  # constexpr sums / products of literals
+        name: eval(" ".join(expr.split()), {"__builtins__": {}})  # sums / products of literals
         for name, expr in re.findall(
             r"constexpr \w+(?: \w+)? (k\w+) =\s*([\d\s*+]+);", source.read_text()
         )

@@ -41,7 +41,7 @@ WARPS = TOPK_THREADS // 32
 BINS = 2048  # radix digits of 11, 11 and 10 bits of the order key
 DIGITS = ((21, 11), (10, 11), (0, 10))  # (shift, bits) of each pass, most significant first
 VECTORS = 4  # 16-byte loads in flight per thread and pass step
-ELEMENTS = VECTORS * 4  # consecutive order keys per thread and step
+ELEMENTS = VECTORS * 4  # order keys per thread and step (topk.vector_position)
 STEP = TOPK_THREADS * ELEMENTS  # order keys per pass step (< 2**15: the scan's packing)
 assert STEP < 2**15
 STASHED_STEPS = 3  # pass steps after a CTA's first that stay in shared memory (96 KiB)
@@ -50,16 +50,16 @@ MAX_CHUNK = BINS // min(c for c in TOPK_CLUSTERS if c > 1)
 # Static layout: [len(DIGITS), BINS] u32 this CTA's histogram, one per pass (all zeroed before
 # the PDL wait, so no pass waits for a clear); [len(DIGITS), chunk] u32 the cluster-wide sums
 # of this CTA's chunk of bins, one buffer per pass (the peers add into them, so none is
-# reused); [2, WARPS] u32 the write pass's scan partials; [2, WARPS] u32 the warps' counts of
-# taken keys; [len(DIGITS), WARPS] u32 the threshold search's partials and [len(DIGITS), 4]
-# i32 its selection state, one of each per pass (no barrier frees them for the next); [4]
-# u32 this CTA's counts of taken keys (above, equal), read by the cluster's later CTAs;
-# [STASHED_STEPS, VECTORS, TOPK_THREADS, 4] u32 the slice's steps after its first (each
-# thread's own vectors: read back by the thread that copied them).
+# reused); [2, VECTORS, WARPS] u32 the write pass's scan partials; [2, WARPS] u32 the
+# warps' counts of taken keys; [len(DIGITS), WARPS] u32 the threshold search's partials
+# and [len(DIGITS), 4] i32 its selection state, one of each per pass (no barrier frees them
+# for the next); [4] u32 this CTA's counts of taken keys (above, equal), read by the
+# cluster's later CTAs; [STASHED_STEPS, VECTORS, TOPK_THREADS, 4] u32 the slice's steps
+# after its first (each thread's own vectors: read back by the thread that copied them).
 HIST_OFFSET = 0
 REDUCED_OFFSET = HIST_OFFSET + len(DIGITS) * BINS * 4
 SCAN_OFFSET = REDUCED_OFFSET + len(DIGITS) * MAX_CHUNK * 4
-COUNTS_OFFSET = SCAN_OFFSET + 2 * WARPS * 4
+COUNTS_OFFSET = SCAN_OFFSET + 2 * VECTORS * WARPS * 4
 SEARCH_OFFSET = COUNTS_OFFSET + 2 * WARPS * 4
 STATE_OFFSET = SEARCH_OFFSET + len(DIGITS) * WARPS * 4
 TOTALS_OFFSET = STATE_OFFSET + len(DIGITS) * 16

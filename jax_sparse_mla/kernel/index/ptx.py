@@ -72,10 +72,12 @@ def bits_float(x, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
-def shared_add(addr, value, *, loc=None, ip=None) -> None:
-    """red.shared.add.u32: add ``value`` to a shared word."""
-    code = "red.shared.add.u32 [$0], $1;"
-    _asm(None, [_i32(addr, loc, ip), _i32(value, loc, ip)], code, "r,r,~{memory}", True, loc, ip)
+def shared_add_if(cond, addr, value, *, loc=None, ip=None) -> None:
+    """red.shared.add.u32 of ``value`` to a shared word where ``cond`` (predicated: no
+    branch, so a warp's adds and the instructions around them need no reconvergence)."""
+    code = "{ .reg .pred p; setp.ne.b32 p, $0, 0; @p red.shared.add.u32 [$1], $2; }"
+    operands = [_i32(Int32(cond), loc, ip), _i32(addr, loc, ip), _i32(value, loc, ip)]
+    _asm(None, operands, code, "r,r,r,~{memory}", True, loc, ip)
 
 
 @dsl_user_op

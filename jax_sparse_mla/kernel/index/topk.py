@@ -62,6 +62,13 @@ def signed(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
+def vector_position(start, v, thread):
+    """The first key position of ``thread``'s vector v (4 keys) of the step at ``start``: the
+    step's vectors go to the threads in turn (v * TOPK_THREADS + thread), so a warp's loads
+    are consecutive and a short slice fills the first vector of every thread."""
+    return start + (v * TOPK_THREADS + thread) * 4
+
+
 @cute.jit
 def unsigned_greater(a, b):
     """a > b as unsigned 32-bit integers."""
@@ -220,22 +227,36 @@ class RadixTopk:
     ):
         """Adds to sHist[d] (zero before the pass) how many candidate keys (not 0) of [lo, hi)
         with (key & mask) == prefix have digit d (bits ``shift`` .. ``shift + bits``)."""
+        warp = tid // 32
         for start in cutlass.range(lo, hi, STEP, unroll=1):
             words = self.step_keys(keys, lo, hi, start, held, sStash, tid)
-            for e in cutlass.range_constexpr(ELEMENTS):
-                position = start + tid * ELEMENTS + e
-                key = words[e]
-                hit = (position < hi) & (key != 0) & ((key & mask) == prefix)
-                digit = (key >> shift) & ((1 << bits) - 1)
-                if cutlass.const_expr(aggregate):
-                    # The first digit: scores crowd into a few bins, so a warp's lanes with
-                    # the same digit add once (lanes that miss vote for bin -1, never added).
-                    peers = index_ptx.match_any(ptx.where_i32(hit, digit, -1))
-                    leader = (peers & ((1 << (tid % 32)) - 1)) == 0  # lowest lane of a group
-                    if hit & leader:
-                        index_ptx.shared_add(sHist + digit * 4, cute.arch.popc(peers))
-                elif hit:
-                    index_ptx.shared_add(sHist + digit * 4, 1)
+            for v in cutlass.range_constexpr(VECTORS):
+                # A warp whose vectors all lie past hi skips them (warp-uniform: the short
+                # slices of large clusters fill only the first vectors).
+                if vector_position(start, v, warp * 32) < hi:
+                    first = vector_position(start, v, tid)
+                    hits, digits = [], []
+                    for w in cutlass.range_constexpr(4):
+                        key = words[4 * v + w]
+                        hits.append((first + w < hi) & (key != 0) & ((key & mask) == prefix))
+                        digits.append((key >> shift) & ((1 << bits) - 1))
+                    if cutlass.const_expr(aggregate):
+                        # The first digit: scores crowd into a few bins, so a warp's lanes
+                        # with the same digit add once (lanes that miss vote for bin -1, never
+                        # added). The four votes go out together, then predicated adds.
+                        votes = [
+                            index_ptx.match_any(ptx.where_i32(hits[w], digits[w], -1))
+                            for w in range(4)
+                        ]
+                        below = (1 << (tid % 32)) - 1
+                        for w in cutlass.range_constexpr(4):
+                            leader = (votes[w] & below) == 0  # lowest lane of its group
+                            index_ptx.shared_add_if(
+                                hits[w] & leader, sHist + digits[w] * 4, cute.arch.popc(votes[w])
+                            )
+                    else:
+                        for w in cutlass.range_constexpr(4):
+                            index_ptx.shared_add_if(hits[w], sHist + digits[w] * 4, 1)
 
     @cute.jit
     def step_keys(self, keys, lo, hi, start, held, sStash, tid):
@@ -261,10 +282,10 @@ class RadixTopk:
     @cute.jit
     def stash_step(self, keys, hi, start, stash, tid):
         """cp.async of this thread's vectors of the step at ``start`` into ``stash``, vector v
-        at v * TOPK_THREADS + tid (consecutive threads, consecutive 16 bytes); zeros for
-        vectors wholly past hi (not read)."""
+        at v * TOPK_THREADS + tid (as in memory); zeros for vectors wholly past hi (not
+        read)."""
         for v in cutlass.range_constexpr(VECTORS):
-            first = start + tid * ELEMENTS + 4 * v
+            first = vector_position(start, v, tid)
             index_ptx.cp_async_16(
                 stash + (v * TOPK_THREADS + tid) * 16,
                 keys + Int64(first) * 4,
@@ -273,12 +294,12 @@ class RadixTopk:
 
     @cute.jit
     def load_step(self, keys, hi, start, tid):
-        """This thread's ELEMENTS consecutive keys of a step, from position start + tid *
-        ELEMENTS (16-byte loads, VECTORS in flight; a vector wholly past hi is not read: the
-        row's pitch covers a partial one)."""
+        """This thread's ELEMENTS keys of a step: its VECTORS 16-byte vectors (vector_position;
+        all in flight; one wholly past hi is not read: the row's pitch covers a partial
+        one)."""
         words = []
         for v in cutlass.range_constexpr(VECTORS):
-            first = start + tid * ELEMENTS + 4 * v
+            first = vector_position(start, v, tid)
             words.extend(index_ptx.load_global_v4_if(first < hi, keys + Int64(first) * 4))
         return words
 
@@ -350,7 +371,8 @@ class RadixTopk:
         for start in cutlass.range(lo, hi, STEP, unroll=1):
             words = self.step_keys(keys, lo, hi, start, held, sStash, tid)
             for e in cutlass.range_constexpr(ELEMENTS):
-                kind = self.classify(words[e], start + tid * ELEMENTS + e, hi, prefix, mask)
+                position = vector_position(start, e // 4, tid) + e % 4
+                kind = self.classify(words[e], position, hi, prefix, mask)
                 above = above + (kind >> 16)
                 equal = equal + (kind & 0xFFFF)
         for shift in cutlass.range_constexpr(5):
@@ -393,40 +415,49 @@ class RadixTopk:
         parity = Int32(0)
         for start in cutlass.range(lo, hi, STEP, unroll=1):
             words = self.step_keys(keys, lo, hi, start, held, sStash, tid)
+            positions = [vector_position(start, e // 4, tid) + e % 4 for e in range(ELEMENTS)]
             kinds = [
-                self.classify(words[e], start + tid * ELEMENTS + e, hi, prefix, mask)
-                for e in range(ELEMENTS)
+                self.classify(words[e], positions[e], hi, prefix, mask) for e in range(ELEMENTS)
             ]
             # Block-wide exclusive prefix of the above / equal counts (16 bits each: a step
-            # holds STEP < 2**15 keys) over the threads, in position order.
-            mine = Int32(0)
-            for e in cutlass.range_constexpr(ELEMENTS):
-                mine = mine + kinds[e]
-            inclusive = mine
-            for shift in cutlass.range_constexpr(5):
-                other = cute.arch.shuffle_sync_up(inclusive, offset=1 << shift)
-                inclusive = inclusive + ptx.where_i32(lane >= (1 << shift), other, 0)
-            if lane == 31:
-                ptx.store_shared_u32(sScan + (parity * WARPS + warp) * 4, inclusive)
-            cute.arch.sync_threads()  # one barrier per step: the two slots alternate
-            lower, total = Int32(0), Int32(0)
-            for w in cutlass.range_constexpr(WARPS):
-                part = ptx.load_shared_u32(sScan + (parity * WARPS + w) * 4)
-                lower = lower + ptx.where_i32(w < warp, part, 0)
-                total = total + part
-            before = lower + inclusive - mine
-            above = run_above + (before >> 16)
-            equal = run_equal + (before & 0xFFFF)
-            for e in cutlass.range_constexpr(ELEMENTS):
-                kind = kinds[e]
-                is_above = kind >= (1 << 16)
-                is_equal = (kind == 1) & (equal < remaining)
-                rank = ptx.where_i32(is_above, above + min(equal, remaining), above + equal)
-                if (is_above | is_equal) & (rank < top_k):
-                    ptx.store_global_b32(tokens + Int64(rank) * 4, start + tid * ELEMENTS + e)
-                    ptx.store_global_f32(scores + Int64(rank) * 4, key_score(words[e]))
-                above = above + (kind >> 16)
-                equal = equal + (kind & 0xFFFF)
+            # holds STEP < 2**15 keys) in position order: vector by vector, and within a
+            # vector over the threads (a warp scan, then the warps' totals in shared memory).
+            sStep = sScan + parity * VECTORS * WARPS * 4
+            mine, inclusive = [], []
+            for v in cutlass.range_constexpr(VECTORS):
+                count = kinds[4 * v] + kinds[4 * v + 1] + kinds[4 * v + 2] + kinds[4 * v + 3]
+                running = count
+                for shift in cutlass.range_constexpr(5):
+                    other = cute.arch.shuffle_sync_up(running, offset=1 << shift)
+                    running = running + ptx.where_i32(lane >= (1 << shift), other, 0)
+                if lane == 31:
+                    ptx.store_shared_u32(sStep + (v * WARPS + warp) * 4, running)
+                mine.append(count)
+                inclusive.append(running)
+            cute.arch.sync_threads()  # one barrier per step: the two parities alternate
+            befores, total = [], Int32(0)
+            for v in cutlass.range_constexpr(VECTORS):
+                lower, whole = Int32(0), Int32(0)
+                for q in cutlass.range_constexpr(WARPS // 4):
+                    part = ptx.load_shared_v4(sStep + (v * WARPS + 4 * q) * 4)
+                    for i in cutlass.range_constexpr(4):
+                        lower = lower + ptx.where_i32(4 * q + i < warp, part[i], 0)
+                        whole = whole + part[i]
+                befores.append(total + lower + inclusive[v] - mine[v])
+                total = total + whole
+            for v in cutlass.range_constexpr(VECTORS):
+                above = run_above + (befores[v] >> 16)
+                equal = run_equal + (befores[v] & 0xFFFF)
+                for w in cutlass.range_constexpr(4):
+                    kind = kinds[4 * v + w]
+                    is_above = kind >= (1 << 16)
+                    is_equal = (kind == 1) & (equal < remaining)
+                    rank = ptx.where_i32(is_above, above + min(equal, remaining), above + equal)
+                    if (is_above | is_equal) & (rank < top_k):
+                        ptx.store_global_b32(tokens + Int64(rank) * 4, positions[4 * v + w])
+                        ptx.store_global_f32(scores + Int64(rank) * 4, key_score(words[4 * v + w]))
+                    above = above + (kind >> 16)
+                    equal = equal + (kind & 0xFFFF)
             run_above = run_above + (total >> 16)
             run_equal = run_equal + (total & 0xFFFF)
             parity = parity ^ 1
