@@ -88,13 +88,6 @@ def barrier_sync_id(barrier, threads: int, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def match_any(value, *, loc=None, ip=None) -> Int32:
-    """The lanes of the (converged) warp holding the same ``value``, as a mask."""
-    code = "match.any.sync.b32 $0, $1, 0xffffffff;"
-    return Int32(_asm(T.i32(), [_i32(value, loc, ip)], code, "=r,r", False, loc, ip))
-
-
-@dsl_user_op
 def load_global_v4_if(cond, addr, *, loc=None, ip=None) -> tuple:
     """16 bytes from global memory when ``cond``, else four zero words."""
     code = (

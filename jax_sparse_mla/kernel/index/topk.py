@@ -2,22 +2,22 @@
 CuTe DSL.
 
 A cluster of C CTAs per verify row (grid: C * T, B; C in TOPK_CLUSTERS, the largest whose grid
-fits one wave: index_lowering.topk_cluster), CTA r taking the r-th slice of the row's
-``n = limits[b, t]`` order keys (written by ``scores.py``; unsigned order = the selection's
-order, 0 = no candidate). Where n > top_k, up to three histogram passes over the keys' 11, 11
-and 10-bit digits (most significant first) narrow the threshold key K* down: each CTA counts
-its slice into its own shared histogram (in the first pass a warp's lanes with the same digit
-add once, through match.any: scores crowd into a few top digits), adds its non-zero bins into
-the cluster-wide sums, which CTA r of the cluster holds for the r-th chunk of the bins
-(distributed shared memory), and after a cluster barrier every CTA reads the sums (one
-16-byte load per thread) and runs the same threshold search, so all hold the same state. A
-pass stops early once the threshold digit's keys are all taken. Then every CTA counts its
-slice's taken keys (above K*, equal to K*), the CTAs exchange those counts, and each writes,
-in position order, every key above K* and the first ``remaining`` keys equal to K* of the row
-(the smaller positions: the tie rule), each at its rank among the taken keys, from
-block-wide prefix counts: the output is the selected positions in ascending order. Slots
-past the taken ones hold -1 (score -inf): rows with fewer candidates than top_k. Any number
-of ties is exact: no candidate buffer.
+fits one wave: index_lowering.topk_cluster), CTA r taking the r-th slice of the row's ``n =
+limits[b, t]`` order keys (written by ``scores.py``; unsigned order = the selection's order, 0
+= no candidate). Where n > top_k, up to three histogram passes over the keys' 11, 11 and 10-bit
+digits (most significant first) narrow the threshold key K* down: each CTA counts its slice
+into its own shared histogram (the first pass into HIST_COPIES copies, a warp into copy warp %
+HIST_COPIES: scores crowd into a few top digits, whose atomics would queue), adds its non-zero
+bins into the cluster-wide sums, which CTA r of the cluster holds for the r-th chunk of the
+bins (distributed shared memory), and after a cluster barrier every CTA reads the sums (one
+16-byte load per thread) and runs the same threshold search, so all hold the same state. A pass
+stops early once the threshold digit's keys are all taken. Then every CTA counts its slice's
+taken keys (above K*, equal to K*), the CTAs exchange those counts, and each writes, in
+position order, every key above K* and the first ``remaining`` keys equal to K* of the row (the
+smaller positions: the tie rule), each at its rank among the taken keys, from block-wide prefix
+counts: the output is the selected positions in ascending order. Slots past the taken ones hold
+-1 (score -inf): rows with fewer candidates than top_k. Any number of ties is exact: no
+candidate buffer.
 
 Nothing is read before griddepcontrol.wait (PDL: the scores kernel releases it).
 """
@@ -37,7 +37,9 @@ from jax_sparse_mla.kernel.index.config import (
     COUNTS_OFFSET,
     DIGITS,
     ELEMENTS,
+    HIST_COPIES,
     HIST_OFFSET,
+    HIST_WORDS,
     REDUCED_OFFSET,
     SCAN_OFFSET,
     SEARCH_OFFSET,
@@ -145,7 +147,7 @@ class RadixTopk:
         x, b, _ = cute.arch.block_idx()
         part, t = x % self.cluster, x // self.cluster
         # Every pass's histogram zero before its first add, while the scores kernel finishes.
-        self.zero(sHist, len(DIGITS) * BINS, tid)
+        self.zero(sHist, HIST_WORDS, tid)
         if cutlass.const_expr(self.cluster > 1):
             # The peers add into the sums of every pass: zero before the cluster barrier
             # that the wait below completes.
@@ -191,11 +193,12 @@ class RadixTopk:
             for d in cutlass.range_constexpr(len(DIGITS)):
                 shift, bits = DIGITS[d]
                 if settled == 0:
-                    hist = sHist + d * BINS * 4
+                    copies = HIST_COPIES if d == 0 else 1
+                    hist = sHist + (0 if d == 0 else HIST_COPIES + d - 1) * BINS * 4
                     self.histogram(
-                        hist, keys, lo, hi, held, sStash, prefix, mask, shift, bits, d == 0, tid
+                        hist, copies, keys, lo, hi, held, sStash, prefix, mask, shift, bits, tid
                     )
-                    counts = self.row_counts(hist, sReduced + d * self.chunk * 4, tid)
+                    counts = self.row_counts(hist, copies, sReduced + d * self.chunk * 4, tid)
                     digit, above, inside = self.threshold(
                         counts, sSearch + d * WARPS * 4, sState + d * 16, remaining, tid
                     )
@@ -223,11 +226,13 @@ class RadixTopk:
 
     @cute.jit
     def histogram(
-        self, sHist, keys, lo, hi, held, sStash, prefix, mask, shift, bits, aggregate, tid
+        self, sHist, copies: int, keys, lo, hi, held, sStash, prefix, mask, shift, bits, tid
     ):
-        """Adds to sHist[d] (zero before the pass) how many candidate keys (not 0) of [lo, hi)
-        with (key & mask) == prefix have digit d (bits ``shift`` .. ``shift + bits``)."""
+        """Adds to the histogram (``copies`` copies from sHist, zero before the pass; warp w
+        adds into copy w % copies) how many candidate keys (not 0) of [lo, hi) with (key &
+        mask) == prefix have digit d (bits ``shift`` .. ``shift + bits``)."""
         warp = tid // 32
+        hist = sHist + (warp % copies) * BINS * 4
         for start in cutlass.range(lo, hi, STEP, unroll=1):
             words = self.step_keys(keys, lo, hi, start, held, sStash, tid)
             for v in cutlass.range_constexpr(VECTORS):
@@ -235,28 +240,11 @@ class RadixTopk:
                 # slices of large clusters fill only the first vectors).
                 if vector_position(start, v, warp * 32) < hi:
                     first = vector_position(start, v, tid)
-                    hits, digits = [], []
                     for w in cutlass.range_constexpr(4):
                         key = words[4 * v + w]
-                        hits.append((first + w < hi) & (key != 0) & ((key & mask) == prefix))
-                        digits.append((key >> shift) & ((1 << bits) - 1))
-                    if cutlass.const_expr(aggregate):
-                        # The first digit: scores crowd into a few bins, so a warp's lanes
-                        # with the same digit add once (lanes that miss vote for bin -1, never
-                        # added). The four votes go out together, then predicated adds.
-                        votes = [
-                            index_ptx.match_any(ptx.where_i32(hits[w], digits[w], -1))
-                            for w in range(4)
-                        ]
-                        below = (1 << (tid % 32)) - 1
-                        for w in cutlass.range_constexpr(4):
-                            leader = (votes[w] & below) == 0  # lowest lane of its group
-                            index_ptx.shared_add_if(
-                                hits[w] & leader, sHist + digits[w] * 4, cute.arch.popc(votes[w])
-                            )
-                    else:
-                        for w in cutlass.range_constexpr(4):
-                            index_ptx.shared_add_if(hits[w], sHist + digits[w] * 4, 1)
+                        hit = (first + w < hi) & (key != 0) & ((key & mask) == prefix)
+                        digit = (key >> shift) & ((1 << bits) - 1)
+                        index_ptx.shared_add_if(hit, hist + digit * 4, 1)
 
     @cute.jit
     def step_keys(self, keys, lo, hi, start, held, sStash, tid):
@@ -304,13 +292,17 @@ class RadixTopk:
         return words
 
     @cute.jit
-    def row_counts(self, sHist, sReduced, tid):
+    def row_counts(self, sHist, copies: int, sReduced, tid):
         """The row's counts of bins BINS_EACH * tid ... (+ BINS_EACH): this CTA's histogram,
         or for a cluster the sums of every CTA's, which this thread adds into the CTA
         holding its chunk of the bins (``sReduced``: this pass's sums, zero) and reads back
         after a cluster barrier."""
         cute.arch.sync_threads()  # this CTA's histogram is complete
-        mine = ptx.load_shared_v4(sHist + tid * BINS_EACH * 4)
+        mine = list(ptx.load_shared_v4(sHist + tid * BINS_EACH * 4))
+        for c in cutlass.range_constexpr(1, copies):
+            more = ptx.load_shared_v4(sHist + (c * BINS + tid * BINS_EACH) * 4)
+            for i in cutlass.range_constexpr(BINS_EACH):
+                mine[i] = mine[i] + more[i]
         counts = mine
         if cutlass.const_expr(self.cluster > 1):
             bin_ = tid * BINS_EACH
