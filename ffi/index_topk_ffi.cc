@@ -43,9 +43,8 @@ constexpr int64_t kScoreSmemFixed = 8 * 8192 + 2 * 8 * 64 * 4;
 constexpr int64_t kScoreSmemPerQueryTile = 8192 + 64 * 4;
 constexpr int64_t kMaxQueryTiles = 16;
 constexpr unsigned int kTopkThreads = 512;
-// Histograms: 8 copies for the first pass + one per later pass (config.HIST_WORDS).
 constexpr unsigned int kTopkSmem =
-    10 * 2048 * 4 + 3 * 1024 * 4 + 2 * 4 * 16 * 4 + 2 * 16 * 4 + 3 * 16 * 4 + 3 * 16 + 16 +
+    3 * 2048 * 4 + 3 * 1024 * 4 + 2 * 4 * 16 * 4 + 2 * 16 * 4 + 3 * 16 * 4 + 3 * 16 + 16 +
     3 * 8192 * 4;
 constexpr int64_t kMaxGridY = 65535;
 

@@ -44,15 +44,11 @@ VECTORS = 4  # 16-byte loads in flight per thread and pass step
 ELEMENTS = VECTORS * 4  # order keys per thread and step (topk.vector_position)
 STEP = TOPK_THREADS * ELEMENTS  # order keys per pass step (< 2**15: the scan's packing)
 assert STEP < 2**15
-# Copies of the first pass's histogram (warp w adds into copy w % HIST_COPIES): its keys crowd
-# into a few bins (sign, exponent, 2 mantissa bits), so one copy's atomics would queue.
-HIST_COPIES = 8
 STASHED_STEPS = 3  # pass steps after a CTA's first that stay in shared memory (96 KiB)
 # Bins whose cluster-wide sums one CTA of a cluster holds: BINS / cluster, at most MAX_CHUNK.
 MAX_CHUNK = BINS // min(c for c in TOPK_CLUSTERS if c > 1)
-# Static layout: [HIST_COPIES + len(DIGITS) - 1, BINS] u32 this CTA's histograms, the first
-# pass's copies then one per later pass (all zeroed before the PDL wait, so no pass waits for
-# a clear); [len(DIGITS), chunk] u32 the cluster-wide sums
+# Static layout: [len(DIGITS), BINS] u32 this CTA's histogram, one per pass (all zeroed before
+# the PDL wait, so no pass waits for a clear); [len(DIGITS), chunk] u32 the cluster-wide sums
 # of this CTA's chunk of bins, one buffer per pass (the peers add into them, so none is
 # reused); [2, VECTORS, WARPS] u32 the write pass's scan partials; [2, WARPS] u32 the
 # warps' counts of taken keys; [len(DIGITS), WARPS] u32 the threshold search's partials
@@ -61,8 +57,7 @@ MAX_CHUNK = BINS // min(c for c in TOPK_CLUSTERS if c > 1)
 # cluster's later CTAs; [STASHED_STEPS, VECTORS, TOPK_THREADS, 4] u32 the slice's steps
 # after its first (each thread's own vectors: read back by the thread that copied them).
 HIST_OFFSET = 0
-HIST_WORDS = (HIST_COPIES + len(DIGITS) - 1) * BINS
-REDUCED_OFFSET = HIST_OFFSET + HIST_WORDS * 4
+REDUCED_OFFSET = HIST_OFFSET + len(DIGITS) * BINS * 4
 SCAN_OFFSET = REDUCED_OFFSET + len(DIGITS) * MAX_CHUNK * 4
 COUNTS_OFFSET = SCAN_OFFSET + 2 * VECTORS * WARPS * 4
 SEARCH_OFFSET = COUNTS_OFFSET + 2 * WARPS * 4
