@@ -49,8 +49,8 @@ def main() -> int:
         print("decode_accuracy needs a CUDA GPU (Hopper for the kernel).", file=sys.stderr)
         return 2
     print(
-        "| case B x H x K | path | LSE max abs error | latent max error / max |latent| | "
-        "latent mean error / mean |latent| |\n|---|---|---|---|---|"
+        "| case B x H x K | path | LSE max abs error | latent max error / max abs(latent) | "
+        "latent mean error / mean abs(latent) |\n|---|---|---|---|---|"
     )
     for batch, heads, width in CASES:
         rng = np.random.default_rng(batch * heads + width)
