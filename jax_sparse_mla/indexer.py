@@ -120,7 +120,9 @@ def token_rows(
     )
     tokens = tokens.astype(jnp.int32).reshape(batch * steps, width)
     present = tokens >= 0
-    valid = jnp.max(jnp.where(present, jnp.arange(1, width + 1, dtype=jnp.int32), 0), axis=1)
+    valid = jnp.max(
+        jnp.where(present, jnp.arange(1, width + 1, dtype=jnp.int32), 0), axis=1, initial=0
+    )
     if block_table is None:
         return jnp.where(present, tokens, FILL_ROW), valid
     if block_table.shape[0] == batch and steps > 1:  # one table row per verify row

@@ -492,6 +492,8 @@ def test_token_rows_keep_slots():
     )
     np.testing.assert_array_equal(np.asarray(latent), np.asarray(want_latent))
     np.testing.assert_array_equal(np.asarray(lse), np.asarray(want_lse))
+    empty_rows, empty_valid = jax_sparse_mla.token_rows(jnp.zeros((2, 3, 0), jnp.int32))
+    assert empty_rows.shape == (6, 0) and np.asarray(empty_valid).tolist() == [0] * 6  # K = 0
 
 
 def test_token_rows_errors():
