@@ -103,8 +103,9 @@ def token_rows(
       valid: [B * T] (or [B]) int32, one past the last slot holding a token >= 0. For
         ``index_topk``'s tokens (packed to the front) that is their count, and
         ``rows[r, :valid[r]]`` are exactly the row's tokens. Tokens keep their slots (no
-        compaction: index_topk's are already packed, and a cumsum and a scatter would cost
-        ~8 us per step on an H200), so a -1 between tokens stays there and decode skips it.
+        compaction: index_topk's are already packed, and a cumsum, a scatter and a fill
+        cost ~9 us per step in the example on an H200), so a -1 between tokens stays
+        there and decode skips it.
 
     Jittable, no host synchronization.
     """

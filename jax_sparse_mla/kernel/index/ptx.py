@@ -73,8 +73,8 @@ def bits_float(x, *, loc=None, ip=None) -> Float32:
 
 @dsl_user_op
 def shared_add_if(cond, addr, value, *, loc=None, ip=None) -> None:
-    """red.shared.add.u32 of ``value`` to a shared word where ``cond`` (predicated: no
-    branch, so a warp's adds and the instructions around them need no reconvergence)."""
+    """red.shared.add.u32 of ``value`` to a shared word where ``cond`` (a predicated add in
+    the PTX; ptxas may still place a short branch around the SASS atomic)."""
     code = "{ .reg .pred p; setp.ne.b32 p, $0, 0; @p red.shared.add.u32 [$1], $2; }"
     operands = [_i32(Int32(cond), loc, ip), _i32(addr, loc, ip), _i32(value, loc, ip)]
     _asm(None, operands, code, "r,r,r,~{memory}", True, loc, ip)
