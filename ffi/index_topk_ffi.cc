@@ -8,9 +8,11 @@
 //   scores_kernel, topk_kernel string  their entry symbols
 //   topk_cluster               i64     the top-k's CTAs per verify row (its cubin's cluster)
 //   span                       i64     key tiles per scores CTA (the lowering's choice)
+//   dcp_size                   i64     D: the cache is this rank's shard of D (1: no DCP)
 // Operands: q [B, T, Hp, 128] f8e4m3fn (Hp a multiple of 64), weights [B, T, Hp] f32, keys
 // [num_blocks, block_size, 128] f8e4m3fn, key_scales [num_blocks, block_size] f32,
-// block_table [B, max_blocks] s32, limits [B, T] s32 (each in [0, max_blocks * block_size]).
+// block_table [B, max_blocks] s32, lengths [B] s32 (global context lengths, any value: the
+// kernels clamp them as index_validation.row_limits does) and rank [1] s32 (this rank, < D).
 // Results: tokens [B, T, top_k] s32, scores [B, T, top_k] f32, order_keys [B, T, pitch] s32
 // (scratch; pitch = ceil(max_blocks * block_size / 64) * 64).
 //
@@ -55,6 +57,7 @@ struct IndexSpec {
   std::string_view topk_kernel;
   int64_t topk_cluster;
   int64_t span;
+  int64_t dcp_size;
 };
 
 }  // namespace
@@ -65,7 +68,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(IndexSpec,
                                       ffi::StructMember<ffi::Span<const uint8_t>>("topk_cubin"),
                                       ffi::StructMember<std::string_view>("topk_kernel"),
                                       ffi::StructMember<int64_t>("topk_cluster"),
-                                      ffi::StructMember<int64_t>("span"));
+                                      ffi::StructMember<int64_t>("span"),
+                                      ffi::StructMember<int64_t>("dcp_size"));
 
 // Both kernels loaded into each CUDA context the executable can run in.
 struct IndexState {
@@ -82,6 +86,7 @@ struct IndexState {
   const cu::Driver* driver = nullptr;
   std::vector<Loaded> loaded;
   int64_t span = 1;
+  int64_t dcp_size = 1;
   unsigned int topk_cluster = 1;
 
   IndexState() = default;
@@ -166,10 +171,11 @@ ffi::ErrorOr<std::unique_ptr<IndexState>> Instantiate(IndexSpec spec) {
   using Failed = ffi::Unexpected<ffi::Error>;
   if (spec.scores_cubin.size() == 0 || spec.topk_cubin.size() == 0 ||
       spec.scores_kernel.empty() || spec.topk_kernel.empty() || spec.span < 1 ||
-      spec.span > INT32_MAX || spec.topk_cluster < 1 || spec.topk_cluster > 16) {
+      spec.span > INT32_MAX || spec.topk_cluster < 1 || spec.topk_cluster > 16 ||
+      spec.dcp_size < 1 || spec.dcp_size > INT32_MAX) {
     return Failed(ffi::Error::InvalidArgument(
         "jax_sparse_mla index_topk: empty cubin or kernel name, span outside [1, 2^31) or "
-        "topk_cluster outside [1, 16]"));
+        "topk_cluster outside [1, 16] or dcp_size outside [1, 2^31)"));
   }
   const cu::LoadedDriver& loaded = cu::GetDriver();
   if (!loaded.error.empty()) {
@@ -179,6 +185,7 @@ ffi::ErrorOr<std::unique_ptr<IndexState>> Instantiate(IndexSpec spec) {
   auto state = std::make_unique<IndexState>();
   state->driver = &loaded.driver;
   state->span = spec.span;
+  state->dcp_size = spec.dcp_size;
   state->topk_cluster = static_cast<unsigned int>(spec.topk_cluster);
   ffi::Error error = cu::ForEachExecutableContext(
       loaded.driver, [&](CUcontext context) { return state->Find(context) != nullptr; },
@@ -226,13 +233,14 @@ ffi::Error LaunchPdl(const cu::Driver& d, CUfunction function, cudaStream_t stre
 using Fp8Buffer = ffi::AnyBuffer;
 using WeightsBuffer = ffi::Buffer<ffi::F32, 3>;
 using KeyScalesBuffer = ffi::Buffer<ffi::F32, 2>;
-using IndexBuffer = ffi::Buffer<ffi::S32, 2>;  // block_table, limits
+using TableBuffer = ffi::Buffer<ffi::S32, 2>;  // block_table
+using VectorBuffer = ffi::Buffer<ffi::S32, 1>;  // lengths, rank
 using TokensBuffer = ffi::Buffer<ffi::S32, 3>;  // tokens, order_keys
 using ScoresBuffer = ffi::Buffer<ffi::F32, 3>;
 
 ffi::Error Execute(cudaStream_t stream, IndexState* state, Fp8Buffer q, WeightsBuffer weights,
-                   Fp8Buffer keys, KeyScalesBuffer key_scales, IndexBuffer block_table,
-                   IndexBuffer limits, ffi::Result<TokensBuffer> tokens,
+                   Fp8Buffer keys, KeyScalesBuffer key_scales, TableBuffer block_table,
+                   VectorBuffer lengths, VectorBuffer rank, ffi::Result<TokensBuffer> tokens,
                    ffi::Result<ScoresBuffer> scores, ffi::Result<TokensBuffer> order_keys,
                    ffi::Dictionary /*spec*/) {
   const cu::Driver& d = *state->driver;
@@ -257,7 +265,7 @@ ffi::Error Execute(cudaStream_t stream, IndexState* state, Fp8Buffer q, WeightsB
       weights.dimensions()[0] == batch && weights.dimensions()[1] == steps &&
       weights.dimensions()[2] == heads && key_scales.dimensions()[0] == num_blocks &&
       key_scales.dimensions()[1] == block_size && block_table.dimensions()[0] == batch &&
-      limits.dimensions()[0] == batch && limits.dimensions()[1] == steps &&
+      lengths.dimensions()[0] == batch && rank.dimensions()[0] == 1 &&
       tokens->dimensions()[0] == batch && tokens->dimensions()[1] == steps &&
       scores->dimensions()[0] == batch && scores->dimensions()[1] == steps &&
       scores->dimensions()[2] == top_k && order_keys->dimensions()[0] == batch &&
@@ -266,7 +274,8 @@ ffi::Error Execute(cudaStream_t stream, IndexState* state, Fp8Buffer q, WeightsB
   if (batch < 1 || batch > kMaxGridY || steps < 1 || steps > kMaxGridY || head_tiles < 1 ||
       steps * head_tiles > kMaxQueryTiles || block_size < 1 || max_blocks < 1 ||
       pitch >= INT32_MAX || num_blocks * block_size >= INT32_MAX || top_k < 1 ||
-      top_k >= INT32_MAX || steps * pitch >= INT32_MAX || steps * top_k >= INT32_MAX) {
+      top_k >= INT32_MAX || steps * pitch >= INT32_MAX || steps * top_k >= INT32_MAX ||
+      state->dcp_size * capacity >= INT32_MAX) {
     return Invalid("unsupported sizes: B=" + std::to_string(batch) + ", T=" +
                    std::to_string(steps) + ", Hp=" + std::to_string(heads) + ", capacity=" +
                    std::to_string(capacity) + ", top_k=" + std::to_string(top_k));
@@ -287,7 +296,8 @@ ffi::Error Execute(cudaStream_t stream, IndexState* state, Fp8Buffer q, WeightsB
   void* keys_ptr = keys.untyped_data();
   void* key_scales_ptr = key_scales.untyped_data();
   void* table_ptr = block_table.untyped_data();
-  void* limits_ptr = limits.untyped_data();
+  void* lengths_ptr = lengths.untyped_data();
+  void* rank_ptr = rank.untyped_data();
   void* order_ptr = order_keys->untyped_data();
   void* tokens_ptr = tokens->untyped_data();
   void* scores_ptr = scores->untyped_data();
@@ -299,11 +309,14 @@ ffi::Error Execute(cudaStream_t stream, IndexState* state, Fp8Buffer q, WeightsB
   int32_t pitch_param = static_cast<int32_t>(pitch);
   int32_t span_param = static_cast<int32_t>(state->span);
   int32_t top_k_param = static_cast<int32_t>(top_k);
+  int32_t capacity_param = static_cast<int32_t>(capacity);
+  int32_t dcp_size_param = static_cast<int32_t>(state->dcp_size);
   void* score_params[] = {&q_ptr,           &weights_ptr,      &keys_ptr,
-                          &key_scales_ptr,  &table_ptr,        &limits_ptr,
-                          &order_ptr,       &steps_param,      &head_tiles_param,
-                          &block_size_param, &num_blocks_param, &max_blocks_param,
-                          &pitch_param,     &span_param};
+                          &key_scales_ptr,  &table_ptr,        &lengths_ptr,
+                          &rank_ptr,        &order_ptr,        &steps_param,
+                          &head_tiles_param, &block_size_param, &num_blocks_param,
+                          &max_blocks_param, &pitch_param,      &span_param,
+                          &dcp_size_param};
   const int64_t tiles = pitch / kTokens;
   const int64_t grid_x = (tiles + state->span - 1) / state->span;
   const int64_t smem = kScoreSmemFixed + steps * head_tiles * kScoreSmemPerQueryTile;
@@ -313,8 +326,9 @@ ffi::Error Execute(cudaStream_t stream, IndexState* state, Fp8Buffer q, WeightsB
       error.failure()) {
     return error;
   }
-  void* topk_params[] = {&order_ptr, &limits_ptr, &tokens_ptr, &scores_ptr,
-                         &steps_param, &pitch_param, &top_k_param};
+  void* topk_params[] = {&order_ptr,   &lengths_ptr, &rank_ptr,       &tokens_ptr,
+                         &scores_ptr,  &steps_param, &pitch_param,    &top_k_param,
+                         &capacity_param, &dcp_size_param};
   return LaunchPdl(d, entry->topk, stream,
                    static_cast<unsigned int>(steps * state->topk_cluster),
                    static_cast<unsigned int>(batch), state->topk_cluster, kTopkThreads, kTopkSmem,
@@ -339,8 +353,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaIndexTopkExecute, Execute,
                                   .Arg<WeightsBuffer>()                      // weights
                                   .Arg<Fp8Buffer>()                          // keys
                                   .Arg<KeyScalesBuffer>()                    // key_scales
-                                  .Arg<IndexBuffer>()                        // block_table
-                                  .Arg<IndexBuffer>()                        // limits
+                                  .Arg<TableBuffer>()                        // block_table
+                                  .Arg<VectorBuffer>()                       // lengths
+                                  .Arg<VectorBuffer>()                       // rank
                                   .Ret<TokensBuffer>()                       // tokens
                                   .Ret<ScoresBuffer>()                       // scores
                                   .Ret<TokensBuffer>()                       // order_keys

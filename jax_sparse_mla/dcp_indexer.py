@@ -51,12 +51,6 @@ def merge_candidates(scores: jax.Array, positions: jax.Array, top_k: int) -> jax
     return jnp.where(tokens == _INT32_MAX, -1, tokens).astype(jnp.int32)
 
 
-def local_limits(limits: jax.Array, *, rank: jax.Array, dcp_size: int, capacity: int):
-    """Global limits [B, T] -> this rank's: the number of its local positions j with
-    ``j * dcp_size + rank < limit``, i.e. ceil((limit - rank) / D) clamped to [0, capacity]."""
-    return jnp.clip(-((rank - limits) // dcp_size), 0, capacity).astype(jnp.int32)
-
-
 def dcp_index_topk(
     q_index: jax.Array,
     weights: jax.Array,
@@ -115,17 +109,14 @@ def dcp_index_topk(
     keys, scales, table = index_validation.paged_cache(
         jnp.asarray(index_keys), jnp.asarray(index_scales), block_table, shapes.batch
     )
-    limits = index_validation.row_limits(
-        jnp.asarray(lengths), steps=shapes.steps, capacity=capacity
-    )
     rank = lax.axis_index(axis_name).astype(jnp.int32)
-    limits = local_limits(limits, rank=rank, dcp_size=dcp_size, capacity=shapes.capacity)
-    operands = (q, w, keys, scales, table, limits)
+    lengths = jnp.asarray(lengths).astype(jnp.int32)
+    operands = (q, w, keys, scales, table, lengths, rank[None])
     if implementation == "reference":
-        local, scores = reference.index_topk_flat(*operands, top_k)
+        local, scores = reference.index_topk_flat(*operands, top_k, dcp_size)
     else:
         local, scores = index_topk_p.bind(
-            *operands, top_k=top_k, require_kernel=implementation == "cute"
+            *operands, top_k=top_k, dcp_size=dcp_size, require_kernel=implementation == "cute"
         )
     # Gathered as invariant over the axis: the merged tokens are the same on every rank, and
     # typed so (shard_map's out_specs may replicate them).

@@ -88,10 +88,10 @@ def topk_cluster(rows: int, sm_count: int) -> int:
     return max(c for c in TOPK_CLUSTERS if c == 1 or rows <= active_clusters(c, sm_count))
 
 
-def kernels_or_reason(avals) -> tuple[dict | None, str | None]:
+def kernels_or_reason(avals, dcp_size: int) -> tuple[dict | None, str | None]:
     """(the custom call's attributes, None) when the kernels can run these shapes, else
     (None, reason)."""
-    q, _, keys, _, block_table, _ = avals
+    q, _, keys, _, block_table, _, _ = avals
     batch, steps, heads, _ = q.shape
     capabilities = cuda_lowering._local_cuda_capabilities()
     if capabilities is not None and capabilities != (cuda_lowering.HOPPER,):
@@ -122,6 +122,7 @@ def kernels_or_reason(avals) -> tuple[dict | None, str | None]:
         f"{stage}_kernel": str(kernel.meta["kernel_name"]) for stage, kernel in compiled.items()
     }
     attributes["topk_cluster"] = np.int64(cluster)
+    attributes["dcp_size"] = np.int64(dcp_size)
     attributes["span"] = np.int64(
         span(batch, steps, heads // HEADS, capacity, cuda_lowering.sm_count())
     )
@@ -133,15 +134,18 @@ def _warn_fallback(reason: str) -> None:
     log.warning("jax_sparse_mla.index_topk: using the reference on CUDA: %s", reason)
 
 
-def _cuda_lowering(ctx, *operands, top_k, require_kernel):
+def _cuda_lowering(ctx, *operands, top_k, dcp_size, require_kernel):
     avals = ctx.avals_in
     q, keys, block_table = avals[0], avals[2], avals[4]
     fallback = functools.partial(
-        index_primitive.reference_lowering, top_k=top_k, require_kernel=require_kernel
+        index_primitive.reference_lowering,
+        top_k=top_k,
+        dcp_size=dcp_size,
+        require_kernel=require_kernel,
     )
     if any(size == 0 for aval in (q, keys, block_table) for size in aval.shape):
         return fallback(ctx, *operands)  # nothing to score: every slot -1
-    attributes, reason = kernels_or_reason(avals)
+    attributes, reason = kernels_or_reason(avals, dcp_size)
     if attributes is None:
         if require_kernel:
             raise NotImplementedError(

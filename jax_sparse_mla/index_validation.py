@@ -141,25 +141,31 @@ def paged_cache(index_keys, index_scales, block_table, batch: int):
     return index_keys[None], index_scales[None], table
 
 
-def row_limits(lengths, *, steps: int, capacity: int):
-    """limits [B, T] int32: verify row t of a request with context L = clamp(length, 0,
-    capacity) (the T new tokens included) scores positions [0, L - T + t + 1), that limit
-    clamped to [0, capacity]."""
-    context = jnp.clip(lengths, 0, capacity)
+def row_limits(lengths, rank=0, *, steps: int, capacity: int, dcp_size: int = 1):
+    """limits [B, T] int32: how many of a cache's ``capacity`` positions each verify row
+    scores. Verify row t of a request with context L = clamp(length, 0, D * capacity) (the T
+    new tokens included) scores global positions [0, L - T + t + 1) (that limit clamped to
+    [0, D * capacity]); with DCP (D = dcp_size ranks, global position p on rank p % D at local
+    position p // D) this rank holds ceil((limit - rank) / D) of them. The kernels compute
+    the same in-kernel (kernel/index/scores.row_limit)."""
+    global_capacity = dcp_size * capacity
+    context = jnp.clip(jnp.asarray(lengths, jnp.int32), 0, global_capacity)
     row = jnp.arange(steps, dtype=jnp.int32)
-    return jnp.clip(context[:, None] - (steps - 1) + row[None, :], 0, capacity).astype(jnp.int32)
+    limits = jnp.maximum(context[:, None] - (steps - 1) + row[None, :], 0)
+    return ((limits - rank + dcp_size - 1) // dcp_size).astype(jnp.int32)
 
 
 def index_operands(
     q_index, weights, index_keys, index_scales, lengths, block_table, *, head_tile: int = 1
 ):
     """index_topk's arguments checked (errors name the argument) and normalized for the
-    primitive: (sizes, (q, weights, keys, key_scales, block_table, limits)) with the heads
-    padded to a multiple of ``head_tile``."""
+    primitive: (sizes, (q, weights, keys, key_scales, block_table, lengths, rank)) with the
+    heads padded to a multiple of ``head_tile``, lengths [B] int32 as given (the primitive
+    clamps them: row_limits) and rank [1] int32 zero (one device)."""
     shapes = check_index_args(q_index, weights, index_keys, index_scales, lengths, block_table)
     q, w = pad_heads(jnp.asarray(q_index), jnp.asarray(weights), head_tile)
     keys, scales, table = paged_cache(
         jnp.asarray(index_keys), jnp.asarray(index_scales), block_table, shapes.batch
     )
-    limits = row_limits(jnp.asarray(lengths), steps=shapes.steps, capacity=shapes.capacity)
-    return shapes, (q, w, keys, scales, table, limits)
+    lengths = jnp.asarray(lengths).astype(jnp.int32)
+    return shapes, (q, w, keys, scales, table, lengths, jnp.zeros((1,), jnp.int32))

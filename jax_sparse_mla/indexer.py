@@ -73,7 +73,9 @@ def index_topk(
     if implementation == "reference":  # arguments checked: straight to the math
         tokens, _ = reference.index_topk_flat(*operands, top_k)
         return tokens
-    tokens, _ = index_topk_p.bind(*operands, top_k=top_k, require_kernel=implementation == "cute")
+    tokens, _ = index_topk_p.bind(
+        *operands, top_k=top_k, dcp_size=1, require_kernel=implementation == "cute"
+    )
     return tokens
 
 

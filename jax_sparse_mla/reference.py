@@ -147,9 +147,19 @@ def index_scores_flat(q, weights, keys, key_scales, block_table, limits):
     return scores, live
 
 
-def index_topk_flat(q, weights, keys, key_scales, block_table, limits, top_k: int):
-    """Scores (``index_scores_flat``) and their exact top-k (``select_topk``) on normalized
-    operands -> (tokens [B, T, top_k] int32 ascending then -1, scores [B, T, top_k] f32)."""
+def index_topk_flat(
+    q, weights, keys, key_scales, block_table, lengths, rank, top_k: int, dcp_size: int = 1
+):
+    """Scores (``index_scores_flat``) and their exact top-k (``select_topk``) on the
+    primitive's operands (lengths [B] int32 and rank [1] int32: index_validation.row_limits)
+    -> (tokens [B, T, top_k] int32 ascending then -1, scores [B, T, top_k] f32)."""
+    limits = index_validation.row_limits(
+        lengths,
+        rank[0],
+        steps=q.shape[1],
+        capacity=block_table.shape[1] * keys.shape[1],
+        dcp_size=dcp_size,
+    )
     scores, live = index_scores_flat(q, weights, keys, key_scales, block_table, limits)
     return select_topk(scores, live, top_k)
 

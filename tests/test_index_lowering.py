@@ -93,6 +93,8 @@ def _custom_calls(module_text: str) -> list[tuple[str, dict[str, object]]]:
                     decoded[f"{stage}_kernel"] = ir.StringAttr(config[f"{stage}_kernel"]).value
                 decoded["span"] = ir.IntegerAttr(config["span"]).value
                 decoded["topk_cluster"] = ir.IntegerAttr(config["topk_cluster"]).value
+                decoded["dcp_size"] = ir.IntegerAttr(config["dcp_size"]).value
+                decoded["operands"] = [str(operand.type) for operand in op.operation.operands]
                 decoded["span_type"] = str(ir.IntegerAttr(config["span"]).type)
                 decoded["results"] = [str(result.type) for result in op.operation.results]
             found.append((target, decoded))
@@ -164,6 +166,8 @@ def _check_kernel_call(attrs, kernels, batch=B, steps=T, heads=HI, capacity=N):
         assert cubin.tobytes() == kernels[lowered[stage].slug].cubin
         assert attrs[f"{stage}_kernel"] == kernels[lowered[stage].slug].meta["kernel_name"]
     assert attrs["topk_cluster"] == lowered["topk"].cluster
+    assert attrs["dcp_size"] == 1
+    assert attrs["operands"][5:] == [f"tensor<{batch}xi32>", "tensor<1xi32>"]  # lengths, rank
     assert attrs["scores_cubin"].tobytes() != attrs["topk_cubin"].tobytes()
     assert attrs["span_type"] == "i64"
     head_tiles = -(-heads // HEADS)
@@ -183,9 +187,11 @@ def _check_kernel_call(attrs, kernels, batch=B, steps=T, heads=HI, capacity=N):
 def test_lowers_to_one_custom_call_with_both_cubins(handler, same_kernels, implementation):
     text = _lower(_index_topk(implementation), _args())
     _check_kernel_call(_index_call(text), same_kernels)
-    # The operands are the normalized ones: heads padded to 64, the flat cache as one block.
+    # The operands are the normalized ones: heads padded to 64, the flat cache as one block;
+    # the lengths go in as given (the kernels clamp them: no XLA op computes row limits).
     assert f"tensor<{B}x{T}x{HEADS}x128xf8E4M3FN>" in text
     assert f"tensor<1x{N}x128xf8E4M3FN>" in text
+    assert not any(op in text for op in ("clamp", "minimum", "maximum", "iota"))
 
 
 def test_paged_cache_lowers_to_the_kernel(handler, same_kernels):
@@ -268,13 +274,14 @@ def test_empty_cache():
         jnp.zeros((1, 0, 128), jnp.float8_e4m3fn),
         jnp.zeros((1, 0), jnp.float32),
         jnp.zeros((B, 1), jnp.int32),
-        jnp.zeros((B, T), jnp.int32),
+        jnp.zeros((B,), jnp.int32),
+        jnp.zeros((1,), jnp.int32),
     )
 
     def bound(require_kernel):
         def fn(*operands):
             return index_primitive.index_topk_p.bind(
-                *operands, top_k=TOP_K, require_kernel=require_kernel
+                *operands, top_k=TOP_K, dcp_size=1, require_kernel=require_kernel
             )
 
         return jax.jit(fn)

@@ -221,7 +221,7 @@ def test_returned_scores_and_repeatability():
         jnp.asarray(q), jnp.asarray(weights), jnp.asarray(keys), jnp.asarray(scales),
         jnp.asarray(lengths), jnp.asarray(table), head_tile=64,
     )  # fmt: skip
-    fn = jax.jit(lambda *a: index_topk_p.bind(*a, top_k=2048, require_kernel=True))
+    fn = jax.jit(lambda *a: index_topk_p.bind(*a, top_k=2048, dcp_size=1, require_kernel=True))
     tokens, scores = (np.asarray(x) for x in fn(*operands))
     truth, magnitude, _ = _truth(q, weights, keys, scales, table, lengths)
     b, t, k = np.nonzero(tokens >= 0)
@@ -272,10 +272,11 @@ def test_soak_is_bit_identical():
 
 
 def test_dcp_selection_equals_the_single_device_kernel():
-    """dcp_index_topk's math on one GPU: the kernel on each of D token shards (local limits),
-    the candidates merged, equals the kernel over the whole cache bit for bit (each token's
-    score is computed the same way wherever its tile lies)."""
-    from jax_sparse_mla.dcp_indexer import local_limits, merge_candidates
+    """dcp_index_topk's math on one GPU: the kernel on each of D token shards (the global
+    lengths, the shard's rank: its limits computed in-kernel), the candidates merged, equals
+    the kernel over the whole cache bit for bit (each token's score is computed the same way
+    wherever its tile lies)."""
+    from jax_sparse_mla.dcp_indexer import merge_candidates
     from jax_sparse_mla.index_primitive import index_topk_p
 
     dcp, batch, steps, capacity, top_k = 4, 2, 5, 16384, 2048
@@ -285,14 +286,16 @@ def test_dcp_selection_equals_the_single_device_kernel():
     whole = _run(q, weights, keys, scales, None, lengths, top_k, "cute")
     scores, positions = [], []
     for rank in range(dcp):
-        shapes, operands = index_validation.index_operands(
+        _, operands = index_validation.index_operands(
             jnp.asarray(q), jnp.asarray(weights), jnp.asarray(keys[rank::dcp]),
             jnp.asarray(scales[rank::dcp]), jnp.asarray(lengths), None, head_tile=64,
         )  # fmt: skip
-        limits = index_validation.row_limits(jnp.asarray(lengths), steps=steps, capacity=capacity)
-        limits = local_limits(limits, rank=rank, dcp_size=dcp, capacity=shapes.capacity)
         tokens, local_scores = index_topk_p.bind(
-            *operands[:5], limits, top_k=top_k, require_kernel=True
+            *operands[:6],
+            jnp.full((1,), rank, jnp.int32),
+            top_k=top_k,
+            dcp_size=dcp,
+            require_kernel=True,
         )
         scores.append(local_scores)
         positions.append(jnp.where(tokens >= 0, tokens * dcp + rank, -1))

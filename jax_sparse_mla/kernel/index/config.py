@@ -73,7 +73,8 @@ SCORE_PARAMS = (
     "keys",  # [num_blocks, block_size, DIM] u8 (E4M3)
     "key_scales",  # [num_blocks, block_size] f32
     "block_table",  # [B, max_blocks] i32
-    "limits",  # [B, T] i32, each in [0, max_blocks * block_size]
+    "lengths",  # [B] i32 global context lengths, any value (row_limits' clamps in-kernel)
+    "rank",  # [1] i32 this rank of dcp_size (0 without DCP)
     "order_keys",  # [B, T, pitch] u32 out: the scores' order keys (0: not a candidate)
     "steps",  # T
     "head_tiles",  # G
@@ -82,18 +83,22 @@ SCORE_PARAMS = (
     "max_blocks",
     "pitch",  # ceil(max_blocks * block_size / TOKENS) * TOKENS
     "span",  # key tiles per CTA
+    "dcp_size",  # D: the cache is one rank's shard of D (1: no DCP)
 )
-SCORE_PARAM_TYPES = ("u64",) * 7 + ("u32",) * 7
+SCORE_PARAM_TYPES = ("u64",) * 8 + ("u32",) * 8
 TOPK_PARAMS = (
     "order_keys",  # [B, T, pitch] u32
-    "limits",  # [B, T] i32
+    "lengths",  # [B] i32, as for the scores
+    "rank",  # [1] i32
     "tokens",  # [B, T, top_k] i32 out
     "scores",  # [B, T, top_k] f32 out
     "steps",  # T
     "pitch",
     "top_k",
+    "capacity",  # max_blocks * block_size (this rank's)
+    "dcp_size",
 )
-TOPK_PARAM_TYPES = ("u64",) * 4 + ("u32",) * 3
+TOPK_PARAM_TYPES = ("u64",) * 5 + ("u32",) * 5
 
 
 @dataclasses.dataclass(frozen=True)

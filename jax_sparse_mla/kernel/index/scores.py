@@ -57,6 +57,15 @@ SIGN = -(2**31)
 
 
 @cute.jit
+def row_limit(length, rank, t, steps, capacity, dcp_size):
+    """How many of this rank's cache positions verify row t of a request of ``length`` scores:
+    index_validation.row_limits in-kernel (the global limit clamp(clamp(length, 0, D * C) - T
+    + t + 1, 0, D * C), then this rank's positions j < it with j * D + rank below it)."""
+    context = min(max(length, 0), dcp_size * capacity)
+    return (max(context - steps + 1 + t, 0) - rank + dcp_size - 1) // dcp_size
+
+
+@cute.jit
 def swizzled(row, piece):
     """Offset of 16-byte piece ``piece`` of row ``row`` in a K-major tile of 128-byte rows
     with wgmma's 128-byte swizzle (8-row atoms, pieces XOR-ed by the row)."""
@@ -85,7 +94,8 @@ class IndexScores:
         mKeys: cute.Pointer,
         mKeyScales: cute.Pointer,
         mTable: cute.Pointer,
-        mLimits: cute.Pointer,
+        mLengths: cute.Pointer,
+        mRank: cute.Pointer,
         mOrder: cute.Pointer,
         steps: Int32,
         head_tiles: Int32,
@@ -94,6 +104,7 @@ class IndexScores:
         max_blocks: Int32,
         pitch: Int32,
         span: Int32,
+        dcp_size: Int32,
     ):
         self.kernel(
             mQ,
@@ -101,7 +112,8 @@ class IndexScores:
             mKeys,
             mKeyScales,
             mTable,
-            mLimits,
+            mLengths,
+            mRank,
             mOrder,
             steps,
             head_tiles,
@@ -110,6 +122,7 @@ class IndexScores:
             max_blocks,
             pitch,
             span,
+            dcp_size,
         ).launch(
             grid=(1, 1, 1),
             block=(SCORE_THREADS, 1, 1),
@@ -125,7 +138,8 @@ class IndexScores:
         mKeys: cute.Pointer,
         mKeyScales: cute.Pointer,
         mTable: cute.Pointer,
-        mLimits: cute.Pointer,
+        mLengths: cute.Pointer,
+        mRank: cute.Pointer,
         mOrder: cute.Pointer,
         steps: Int32,
         head_tiles: Int32,
@@ -134,6 +148,7 @@ class IndexScores:
         max_blocks: Int32,
         pitch: Int32,
         span: Int32,
+        dcp_size: Int32,
     ):
         smem = cutlass.memory.SmemAllocator()
         base = smem.allocate(SCORE_SMEM_MAX, 1024).toint()
@@ -150,13 +165,12 @@ class IndexScores:
         ring = wg * STAGES
         cute.arch.griddepcontrol_wait()
 
-        # The prologue's reads are independent of each other: the row limits (one lane per
-        # verify row: T <= MAX_QUERY_TILES <= 32), the first tiles' block-table entries and
-        # the queries all go out before any is waited on (one round trip, not a chain).
+        # The prologue's reads are independent of each other: the request's length and the
+        # rank, the first tiles' block-table entries and the queries all go out before any
+        # is waited on (one round trip, not a chain).
         first = x * span + wg  # this warpgroup's first tile; then every SCORE_WARPGROUPS-th
-        lane = tid % 32
-        limits = mLimits.toint() + Int64(b) * steps * 4
-        longest = ptx.load_global_i32_if(lane < steps, limits + lane * 4)
+        length = ptx.load_global_i32(mLengths.toint() + Int64(b) * 4)
+        rank = ptx.load_global_i32(mRank.toint())
         table = mTable.toint() + Int64(b) * max_blocks * 4
         capacity = max_blocks * block_size
         # Every tile inside one block (blocks of whole key tiles, as in DeepSeek V3.2's
@@ -188,8 +202,7 @@ class IndexScores:
         w_base = mWeights.toint() + Int64(b) * steps * heads * 4
         for i in cutlass.range(tid, steps * heads, SCORE_THREADS, unroll=1):
             index_ptx.cp_async_4(sWeights + i * 4, w_base + Int64(i) * 4, 4)
-        for shift in cutlass.range_constexpr(5):
-            longest = max(longest, cute.arch.shuffle_sync_bfly(longest, offset=1 << shift))
+        longest = row_limit(length, rank, steps - 1, steps, capacity, dcp_size)
         # The CTA's tiles [x * span, + count); this warpgroup's share of them.
         count = max(min(span, (longest + TOKENS - 1) // TOKENS - x * span), 0)
         mine = max(count - wg + SCORE_WARPGROUPS - 1, 0) // SCORE_WARPGROUPS

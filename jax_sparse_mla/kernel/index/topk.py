@@ -2,20 +2,21 @@
 CuTe DSL.
 
 A cluster of C CTAs per verify row (grid: C * T, B; C in TOPK_CLUSTERS, the largest whose grid
-fits one wave: index_lowering.topk_cluster), CTA r taking the r-th slice of the row's ``n =
-limits[b, t]`` order keys (written by ``scores.py``; unsigned order = the selection's order, 0
-= no candidate). Where n > top_k, up to three histogram passes over the keys' 11, 11 and 10-bit
-digits (most significant first) narrow the threshold key K* down: each CTA counts its slice
-into its own shared histogram (shared atomics), adds its non-zero bins into the cluster-wide
-sums, which CTA r of the cluster holds for the r-th chunk of the bins (distributed shared
-memory), and after a cluster barrier every CTA reads the sums (one 16-byte load per thread) and
-runs the same threshold search, so all hold the same state. A pass stops early once the
-threshold digit's keys are all taken. Then every CTA counts its slice's taken keys (above K*,
-equal to K*), the CTAs exchange those counts, and each writes, in position order, every key
-above K* and the first ``remaining`` keys equal to K* of the row (the smaller positions: the
-tie rule), each at its rank among the taken keys, from block-wide prefix counts: the output is
-the selected positions in ascending order. Slots past the taken ones hold -1 (score -inf): rows
-with fewer candidates than top_k. Any number of ties is exact: no candidate buffer.
+fits one wave: index_lowering.topk_cluster), CTA r taking the r-th slice of the row's ``n``
+order keys (``scores.row_limit`` of the request's length) (written by ``scores.py``; unsigned
+order = the selection's order, 0 = no candidate). Where n > top_k, up to three histogram passes
+over the keys' 11, 11 and 10-bit digits (most significant first) narrow the threshold key K*
+down: each CTA counts its slice into its own shared histogram (shared atomics), adds its non-
+zero bins into the cluster-wide sums, which CTA r of the cluster holds for the r-th chunk of
+the bins (distributed shared memory), and after a cluster barrier every CTA reads the sums (one
+16-byte load per thread) and runs the same threshold search, so all hold the same state. A pass
+stops early once the threshold digit's keys are all taken. Then every CTA counts its slice's
+taken keys (above K*, equal to K*), the CTAs exchange those counts, and each writes, in
+position order, every key above K* and the first ``remaining`` keys equal to K* of the row (the
+smaller positions: the tie rule), each at its rank among the taken keys, from block-wide prefix
+counts: the output is the selected positions in ascending order. Slots past the taken ones hold
+-1 (score -inf): rows with fewer candidates than top_k. Any number of ties is exact: no
+candidate buffer.
 
 Nothing is read before griddepcontrol.wait (PDL: the scores kernel releases it).
 """
@@ -49,6 +50,7 @@ from jax_sparse_mla.kernel.index.config import (
     VECTORS,
     WARPS,
 )
+from jax_sparse_mla.kernel.index.scores import row_limit
 
 SIGN = -(2**31)
 BINS_EACH = BINS // TOPK_THREADS  # histogram bins per thread: one 16-byte vector
@@ -107,14 +109,19 @@ class RadixTopk:
     def __call__(
         self,
         mOrder: cute.Pointer,
-        mLimits: cute.Pointer,
+        mLengths: cute.Pointer,
+        mRank: cute.Pointer,
         mTokens: cute.Pointer,
         mScores: cute.Pointer,
         steps: Int32,
         pitch: Int32,
         top_k: Int32,
+        capacity: Int32,
+        dcp_size: Int32,
     ):
-        self.kernel(mOrder, mLimits, mTokens, mScores, steps, pitch, top_k).launch(
+        self.kernel(
+            mOrder, mLengths, mRank, mTokens, mScores, steps, pitch, top_k, capacity, dcp_size
+        ).launch(
             grid=(self.cluster, 1, 1),
             block=(TOPK_THREADS, 1, 1),
             cluster=(self.cluster, 1, 1),
@@ -126,12 +133,15 @@ class RadixTopk:
     def kernel(
         self,
         mOrder: cute.Pointer,
-        mLimits: cute.Pointer,
+        mLengths: cute.Pointer,
+        mRank: cute.Pointer,
         mTokens: cute.Pointer,
         mScores: cute.Pointer,
         steps: Int32,
         pitch: Int32,
         top_k: Int32,
+        capacity: Int32,
+        dcp_size: Int32,
     ):
         smem = cutlass.memory.SmemAllocator()
         base = smem.allocate(TOPK_SMEM, 16).toint()
@@ -154,7 +164,9 @@ class RadixTopk:
         cute.arch.griddepcontrol_wait()
 
         row = Int64(b) * steps + t
-        n = ptx.load_global_i32(mLimits.toint() + row * 4)
+        length = ptx.load_global_i32(mLengths.toint() + Int64(b) * 4)
+        rank = ptx.load_global_i32(mRank.toint())
+        n = row_limit(length, rank, t, steps, capacity, dcp_size)
         keys = mOrder.toint() + row * pitch * 4
         tokens = mTokens.toint() + row * top_k * 4
         scores = mScores.toint() + row * top_k * 4
