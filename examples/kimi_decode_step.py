@@ -417,10 +417,15 @@ def make_step(
 
         if mesh is None:
             with jax.named_scope("cache_write"):
+                # The verify rows' positions are contiguous (pos, pos + 1, ...) and inside the
+                # capacity (main sizes the cache so): in-place slice updates, which XLA can
+                # fuse with the entries' last ops, instead of scatters.
                 cache = cache._replace(
-                    kv=cache.kv.at[positions].set(kv_new),
-                    index_keys=cache.index_keys.at[positions].set(index_new),
-                    index_scales=cache.index_scales.at[positions].set(index_scales_new),
+                    kv=lax.dynamic_update_slice(cache.kv, kv_new, (pos, 0)),
+                    index_keys=lax.dynamic_update_slice(cache.index_keys, index_new, (pos, 0)),
+                    index_scales=lax.dynamic_update_slice(
+                        cache.index_scales, index_scales_new, (pos,)
+                    ),
                 )
             with jax.named_scope("index_topk"):
                 tokens = jax_sparse_mla.index_topk(
