@@ -22,6 +22,10 @@ speculative-decode verify step, with random weights (nothing is downloaded):
 5. W_UV (latent -> v_head_dim per head) and the output projection (row-parallel under DCP:
    a psum over ranks).
 
+The weight matrices are bf16 GEMMs with f32 accumulation, or with --weights fp8 FP8 E4M3
+with one scale per output (as DeepSeek V3 / Kimi K2 ship FP8 weights; they scale 128 x 128
+blocks), each GEMM's activations quantized to E4M3 per row: half the weight bytes.
+
 Two paths run the same step: "kernel" (index_topk with implementation=None: its kernel on a
 Hopper GPU, else the reference, as the log says; the attention with implementation='cute') and
 "reference" (both implementation='reference': the pure-jnp baseline). On a GPU both run side
@@ -37,7 +41,9 @@ the index query, its quantization and the weights) and index_topk (3: the op), s
 
 Output, per path:
 
-    CHECK <path>: ...        the layer output's relative error vs the dense attention
+    CHECK <path>: ...        the layer output's relative error vs the dense attention (with
+                             --weights fp8 the attention latent's is judged: the output also
+                             carries the E4M3 roundings of the projections' activations)
     CHECK <path> index_topk: ...   its selected tokens vs the float64 top-k: differing tokens,
                              and how many lie beyond FP32 rounding of the row's k-th score
     TIME <path>: ...         the jitted step's wall clock incl. dispatch (host work and
@@ -67,6 +73,7 @@ Run (from the repository root):
     .venv/bin/python examples/kimi_decode_step.py --small          # tiny layer, seconds
     .venv/bin/python examples/kimi_decode_step.py --dcp 8          # 8 GPUs, or 8 CPU devices
     .venv/bin/python examples/kimi_decode_step.py --dcp 2 --exchange push   # one-sided exchange
+    .venv/bin/python examples/kimi_decode_step.py --weights fp8    # FP8 weight matrices
     .venv/bin/python examples/kimi_decode_step.py --help
 
 On a CPU machine --dcp N creates N virtual CPU devices itself (XLA_FLAGS is set before jax
@@ -251,9 +258,10 @@ def x_projections(w: dict, x: jax.Array) -> XParts:
     return XParts(*jnp.split(fused, ends, axis=-1))
 
 
-def init_weights(cfg: LayerConfig, seed: int) -> dict[str, jax.Array]:
+def init_weights(cfg: LayerConfig, seed: int, precision: str = "bf16") -> dict[str, Any]:
     """Random bf16 weights, N(0, 1/fan_in) so activations stay O(1). numpy's generator: far
-    quicker here than compiling jax.random for every weight shape on a CPU."""
+    quicker here than compiling jax.random for every weight shape on a CPU. precision "fp8":
+    the matrices of WEIGHT_SPECS as Fp8Weight (the norms' gammas and bias stay bf16)."""
     shapes = {
         "wq_a": ((cfg.hidden, cfg.q_lora_rank), cfg.hidden),
         "wq_b": ((cfg.q_lora_rank, cfg.heads, cfg.qk_nope_dim + QK_ROPE_DIM), cfg.q_lora_rank),
@@ -282,6 +290,9 @@ def init_weights(cfg: LayerConfig, seed: int) -> dict[str, jax.Array]:
     # The projections of x run as one GEMM (as serving stacks fuse q_a and kv_a): a [hidden,
     # 64] or [hidden, 128] product alone leaves most of the GPU idle.
     weights["w_x"] = jnp.concatenate([weights.pop(name) for name in X_PARTS], axis=1)
+    if precision == "fp8":
+        for name, spec in WEIGHT_SPECS.items():
+            weights[name] = quantize_weight(weights[name], spec)
     return weights
 
 
@@ -316,9 +327,12 @@ def rope_head(x: jax.Array, positions: jax.Array) -> jax.Array:
     return jnp.concatenate([rope(x[..., :QK_ROPE_DIM], positions), x[..., QK_ROPE_DIM:]], -1)
 
 
-def dot(x: jax.Array, w: jax.Array, spec: str) -> jax.Array:
+def dot(x: jax.Array, w: jax.Array | Fp8Weight, spec: str) -> jax.Array:
     """bf16 x bf16 with f32 accumulation and an f32 result (XLA:CPU has no bf16 x bf16 -> f32
-    dot, so there both sides are widened to f32 first: the same products)."""
+    dot, so there both sides are widened to f32 first: the same products); an Fp8Weight
+    goes through ``fp8_dot``."""
+    if isinstance(w, Fp8Weight):
+        return fp8_dot(x, w, spec)
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
     x, w = x.astype(jnp.bfloat16).astype(dtype), w.astype(dtype)
     return jnp.einsum(spec, x, w, preferred_element_type=jnp.float32)
@@ -346,6 +360,96 @@ def to_fp8_vectors(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     return to_fp8(x, scales), scales[..., 0]
 
 
+class Fp8Weight(NamedTuple):
+    """A weight matrix in FP8 (``--weights fp8``), as DeepSeek V3 / Kimi K2 checkpoints ship
+    theirs (they scale 128 x 128 blocks; here one scale per output element). ``values`` keep
+    the axes of ``fp8_axes(spec)``: the batch axes, the output axes, then the contracted axes
+    last, so both GEMM operands are K-contiguous (what cuBLASLt's FP8 GEMM takes); ``scales``
+    [batch and output axes] float32 map each output's amax to 448."""
+
+    values: jax.Array
+    scales: jax.Array
+
+
+# The einsum spec each weight is used with (``dot``): it fixes its FP8 layout and scales.
+WEIGHT_SPECS = {
+    "w_x": "rd,dc->rc",
+    "wq_b": "rq,qhc->rhc",
+    "w_uk": "rhn,hnc->rhc",
+    "wi_q": "rq,qhk->rhk",
+    "w_uv": "rhc,hcv->rhv",
+    "wo": "rhv,hvd->rd",
+}
+
+
+def fp8_axes(spec: str) -> tuple[str, str]:
+    """(the FP8 weight's axis letters, those of its scales) for a weight used with ``spec``:
+    batch axes (in x and the output), output axes, then contracted axes."""
+    lhs, rest = spec.split(",")
+    rhs, out = rest.split("->")
+    batch = [c for c in rhs if c in lhs and c in out]
+    output = [c for c in rhs if c not in lhs]
+    contracted = [c for c in rhs if c in lhs and c not in out]
+    return "".join(batch + output + contracted), "".join(batch + output)
+
+
+def quantize_weight(w: jax.Array, spec: str) -> Fp8Weight:
+    """bf16 weight (the axes of ``spec``'s right side) -> Fp8Weight."""
+    rhs = spec.split(",")[1].split("->")[0]
+    letters, scale_letters = fp8_axes(spec)
+    w = jnp.einsum(f"{rhs}->{letters}", w.astype(jnp.float32))
+    contracted = tuple(range(len(scale_letters), len(letters)))
+    scales = jnp.maximum(jnp.max(jnp.abs(w), axis=contracted), 1e-12) / FP8_MAX
+    return Fp8Weight(to_fp8(w, scales.reshape(scales.shape + (1,) * len(contracted))), scales)
+
+
+def dequantize(w: jax.Array | Fp8Weight, spec: str) -> jax.Array:
+    """The float32 weight in ``spec``'s right-side axes, whichever its storage."""
+    if not isinstance(w, Fp8Weight):
+        return w.astype(jnp.float32)
+    rhs = spec.split(",")[1].split("->")[0]
+    letters, scale_letters = fp8_axes(spec)
+    product = f"{letters},{scale_letters}->{rhs}"
+    return jnp.einsum(product, w.values.astype(jnp.float32), w.scales)
+
+
+def weight_shape(w: dict, name: str) -> tuple[int, ...]:
+    """Weight ``name``'s shape in its spec's right-side axes, whichever its storage."""
+    weight = w[name]
+    if not isinstance(weight, Fp8Weight):
+        return weight.shape
+    rhs = WEIGHT_SPECS[name].split(",")[1].split("->")[0]
+    letters, _ = fp8_axes(WEIGHT_SPECS[name])
+    return tuple(weight.values.shape[letters.index(c)] for c in rhs)
+
+
+def along(values: jax.Array, letters: str, out: str) -> jax.Array:
+    """``values`` (axes ``letters``, a subset of ``out``'s in any order) shaped to broadcast
+    against an array of axes ``out``."""
+    order = sorted(letters, key=out.index)
+    values = jnp.transpose(values, [letters.index(c) for c in order])
+    return values.reshape([values.shape[order.index(c)] if c in order else 1 for c in out])
+
+
+def fp8_dot(x: jax.Array, w: Fp8Weight, spec: str) -> jax.Array:
+    """x (float) times an Fp8Weight: x quantized to E4M3 with one scale per output row of x
+    (its amax over the contracted axes), an FP8 x FP8 GEMM with FP32 accumulation (on
+    XLA:CPU the same products in float32), both scales applied to the float32 result."""
+    lhs, rest = spec.split(",")
+    out = rest.split("->")[1]
+    letters, scale_letters = fp8_axes(spec)
+    contracted = tuple(i for i, c in enumerate(lhs) if c not in out)
+    x = x.astype(jnp.float32)
+    x_scales = jnp.maximum(jnp.max(jnp.abs(x), axis=contracted, keepdims=True), 1e-12) / FP8_MAX
+    x8, w8 = to_fp8(x, x_scales), w.values
+    if jax.default_backend() == "cpu":  # XLA:CPU has no FP8 dot
+        x8, w8 = x8.astype(jnp.float32), w8.astype(jnp.float32)
+    y = jnp.einsum(f"{lhs},{letters}->{out}", x8, w8, preferred_element_type=jnp.float32)
+    x_letters = "".join(c for c in lhs if c in out)
+    x_scales = jnp.squeeze(x_scales, contracted)
+    return y * along(x_scales, x_letters, out) * along(w.scales, scale_letters, out)
+
+
 def cache_entries(w: dict, parts: XParts, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Tokens' MLA cache rows [T, 576] and indexer keys [T, 128], float32."""
     latent = rms_norm(parts.kv[:, :KV_LORA_RANK], w["kv_a_norm"])
@@ -358,7 +462,7 @@ def absorbed_query(w: dict, parts: XParts, positions: jax.Array) -> tuple[jax.Ar
     """Absorbed MLA query [R, H, 576] float32 and the normalized q_a [R, q_lora_rank]."""
     q_a = rms_norm(parts.q_a, w["q_a_norm"])
     q = dot(q_a, w["wq_b"], "rq,qhc->rhc")
-    nope_dim = w["w_uk"].shape[1]
+    nope_dim = weight_shape(w, "w_uk")[1]
     q_latent = dot(q[..., :nope_dim], w["w_uk"], "rhn,hnc->rhc")
     q_rope = rope(q[..., nope_dim:], positions[:, None])
     return jnp.concatenate([q_latent, q_rope], axis=-1), q_a
@@ -370,7 +474,7 @@ def index_query(
     """The DSA indexer's query [R, index_heads, 128] float8_e4m3fn, one scale per (row, head),
     and the head weights [R, index_heads] float32 with that scale folded in: index_topk's
     score is then k_scale * sum_h weights_h * relu(q8_h . k8), DeepSeek V3.2's indexer."""
-    heads = w["wi_q"].shape[1]
+    heads = weight_shape(w, "wi_q")[1]
     q = rope_head(dot(q_a, w["wi_q"], "rq,qhk->rhk"), positions[:, None])
     q, q_scales = to_fp8_vectors(q)
     weights = parts.index_weights * (heads**-0.5 * INDEX_HEAD_DIM**-0.5)
@@ -575,7 +679,7 @@ def context_entries(
     w: dict, key: jax.Array, start: jax.Array, chunk: int
 ) -> tuple[jax.Array, jax.Array]:
     """Cache entries (float32) of `chunk` random hidden states at positions start.."""
-    x = jax.random.normal(jax.random.fold_in(key, start), (chunk, w["w_x"].shape[0]))
+    x = jax.random.normal(jax.random.fold_in(key, start), (chunk, weight_shape(w, "w_x")[0]))
     return cache_entries(w, x_projections(w, x), start + jnp.arange(chunk, dtype=jnp.int32))
 
 
@@ -623,8 +727,9 @@ def dense_check(
     logits = jnp.einsum("rhc,rkc->rhk", q, keys, precision="highest") * cfg.softmax_scale
     probs = jax.nn.softmax(jnp.where(selected[:, None, :], logits, -jnp.inf), axis=-1)
     latent = jnp.einsum("rhk,rkc->rhc", probs, keys[..., :KV_LORA_RANK], precision="highest")
-    values = jnp.einsum("rhc,hcv->rhv", latent, w["w_uv"].astype(jnp.float32), precision="highest")
-    out = jnp.einsum("rhv,hvd->rd", values, w["wo"].astype(jnp.float32), precision="highest")
+    w_uv, wo = (dequantize(w[name], WEIGHT_SPECS[name]) for name in ("w_uv", "wo"))
+    values = jnp.einsum("rhc,hcv->rhv", latent, w_uv, precision="highest")
+    out = jnp.einsum("rhv,hvd->rd", values, wo, precision="highest")
     return out, latent
 
 
@@ -733,6 +838,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "jax_sparse_mla.dcp_setup; on CPU it runs as collectives)",
     )
     parser.add_argument(
+        "--weights",
+        choices=["bf16", "fp8"],
+        default="bf16",
+        help="the layer's weight matrices: bf16 (default) or fp8 (E4M3 with one scale per "
+        "output, as DeepSeek V3 / Kimi K2 ship FP8 weights; activations quantized per row, "
+        "FP8 GEMMs; --dcp 1 only)",
+    )
+    parser.add_argument(
         "--iters",
         type=int,
         default=None,
@@ -766,6 +879,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--context must be positive, --iters, --warmup, --profile-calls not negative")
     if args.config.heads % args.dcp:
         parser.error(f"--heads {args.config.heads} must be a multiple of --dcp {args.dcp}")
+    if args.weights == "fp8" and args.dcp > 1:
+        parser.error("--weights fp8 runs with --dcp 1 only (the FP8 wo's layout is not sharded)")
     return args
 
 
@@ -861,9 +976,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     key = jax.random.key(args.seed)
     rng = np.random.default_rng(args.seed + 1)
     log("building random weights ...")
-    weights = jax.block_until_ready(init_weights(cfg, args.seed))
-    n_params = sum(a.size for a in weights.values())
-    log(f"  {n_params / 1e6:.1f} M parameters (bf16)")
+    weights = jax.block_until_ready(init_weights(cfg, args.seed, args.weights))
+    leaves = jax.tree.leaves(weights)
+    n_params = sum(a.size for a in leaves if a.dtype != jnp.float32)
+    n_bytes = sum(a.size * a.dtype.itemsize for a in leaves)
+    kind = "bf16" if args.weights == "bf16" else "FP8 E4M3 matrices, one scale per output"
+    log(f"  {n_params / 1e6:.1f} M parameters ({kind}), {n_bytes / 1e6:.1f} MB")
     log(f"building the cache of {context} tokens ...")
     cache = build_cache(weights, context, capacity, dcp, jax.random.fold_in(key, 1))
     cache = jax.block_until_ready(cache)
@@ -940,7 +1058,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 class PathOutcome(NamedTuple):
-    rel_error: float  # layer output vs the dense f32 attention
+    rel_error: float  # the judged error: layer output (latent with FP8 weights) vs dense f32
     index_check: token_agreement.Agreement  # the step's tokens vs the float64 top-k
     selection: Selection
     wall_s: float | None  # wall-clock median of the jitted step
@@ -1007,10 +1125,15 @@ def run_path(
     error = error if np.isfinite(error) else math.inf
     valid = np.asarray(jnp.sum(aux.tokens >= 0, axis=1))
     log(f"  keys attended per row: {valid.tolist()}; q_scale {float(aux.q_scale):.4g}")
+    # FP8 weights: the layer output also carries the E4M3 roundings of the two projections'
+    # activations (up to 2^-4 each), so the attention latent, the kernels' output, is judged.
+    fp8 = isinstance(weights["wo"], Fp8Weight)
+    judged = latent_error if fp8 else error
     print(
         f"CHECK {path}: layer output vs dense f32 attention over the same keys: rel error "
-        f"{error:.3e} (attention latent {latent_error:.3e}), threshold {TOLERANCE:.4g} -> "
-        f"{'PASS' if error <= TOLERANCE else 'FAIL'}",
+        f"{error:.3e} (attention latent {latent_error:.3e}), threshold {TOLERANCE:.4g} on the "
+        f"{'latent (FP8 weights)' if fp8 else 'output'} -> "
+        f"{'PASS' if judged <= TOLERANCE else 'FAIL'}",
         flush=True,
     )
     selection = Selection.of_step(rank_tokens[0], aux, cache, dcp, int(pos))
@@ -1032,7 +1155,7 @@ def run_path(
     gpu_times = None
     if platform == "gpu" and args.profile_calls > 0:
         gpu_times = profile_phases(path, compiled.as_text(), call, args.profile_calls)
-    return PathOutcome(error, index_check, selection, median, gpu_times)
+    return PathOutcome(judged, index_check, selection, median, gpu_times)
 
 
 def check_selection(

@@ -115,6 +115,47 @@ def test_x_projections_split_the_fused_gemm_into_its_parts(example):
     np.testing.assert_array_equal(np.concatenate([np.asarray(p) for p in parts], -1), fused)
 
 
+def test_fp8_weights_keep_k_last_and_one_scale_per_output(example):
+    """--weights fp8: each matrix stored with its contracted axes last (both GEMM operands
+    K-contiguous) and one scale per output, amax / 448; dequantized within one E4M3 rounding;
+    fp8_dot equals the float32 product of the E4M3-rounded activations and weights."""
+    assert example.fp8_axes("rhv,hvd->rd") == ("dhv", "d")
+    assert example.fp8_axes("rhn,hnc->rhc") == ("hcn", "hc")
+    cfg = example.SMALL
+    bf16 = example.init_weights(cfg, seed=0)
+    fp8 = example.init_weights(cfg, seed=0, precision="fp8")
+    for name, spec in example.WEIGHT_SPECS.items():
+        exact = np.asarray(bf16[name], np.float32)
+        values = example.dequantize(fp8[name], spec)
+        assert fp8[name].values.dtype == jax.numpy.float8_e4m3fn
+        assert example.weight_shape(fp8, name) == exact.shape == values.shape
+        scale = example.dequantize(
+            example.Fp8Weight(np.ones_like(fp8[name].values), fp8[name].scales), spec
+        )
+        np.testing.assert_allclose(
+            np.max(np.abs(exact) / np.asarray(scale), axis=None), 448, rtol=1e-6
+        )
+        error = np.abs(np.asarray(values) - exact)
+        assert np.all(error <= E4M3_ROUNDING * np.abs(exact) + 2.0**-9 * np.asarray(scale)), name
+    rng = np.random.default_rng(2)
+    latent = jax.numpy.asarray(rng.standard_normal((3, cfg.heads, 512)), jax.numpy.float32)
+    spec = example.WEIGHT_SPECS["w_uv"]
+    got = np.asarray(example.dot(latent, fp8["w_uv"], spec))
+    x_scale = np.max(np.abs(np.asarray(latent)), axis=-1, keepdims=True) / 448
+    x8 = np.asarray(example.to_fp8(latent, x_scale).astype(np.float32)) * x_scale
+    want = np.einsum("rhc,hcv->rhv", x8, np.asarray(example.dequantize(fp8["w_uv"], spec)))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_fp8_weights_small_layer_passes_and_refuse_dcp(example, capsys):
+    result = example.main([*SMALL, "--weights", "fp8"])
+    out = capsys.readouterr().out
+    assert result["passed"] and "on the latent (FP8 weights)" in out, out
+    with pytest.raises(SystemExit):
+        example.main([*SMALL, "--weights", "fp8", "--dcp", "2"])
+    assert "--weights fp8 runs with --dcp 1 only" in capsys.readouterr().err
+
+
 def test_index_query_folds_its_scales_into_the_weights(example):
     """One E4M3 scale per (row, head), amax / 448, folded into the head weights with
     heads^-0.5 * 128^-0.5: weights / (W_w x * that constant) is the query's scale."""
