@@ -35,9 +35,10 @@ softmax) and the selected tokens against a float64 top-k of the same FP8 index o
 GPU it checks that the kernel path selects the reference path's tokens, except where scores tie
 within FP32 rounding at a row's k-th score (examples/token_agreement.py). Then it times the
 jitted step. Each phase of the step is a ``jax.named_scope``: projections (1-3: every
-projection of x, one GEMM over the fused weights), cache_write (1), query (2), index_query (3:
-the index query, its quantization and the weights) and index_topk (3: the op), sparse_decode
-(4), output_projection (5).
+projection of x, one GEMM over the fused weights), cache_write (1), query (2: both
+projections of q_a, one GEMM over the fused [wq_b | wi_q], and the absorbed MLA query),
+index_query (3: the index query's RoPE, its quantization and the weights) and index_topk
+(3: the op), sparse_decode (4), output_projection (5).
 
 Output, per path:
 
@@ -290,6 +291,11 @@ def init_weights(cfg: LayerConfig, seed: int, precision: str = "bf16") -> dict[s
     # The projections of x run as one GEMM (as serving stacks fuse q_a and kv_a): a [hidden,
     # 64] or [hidden, 128] product alone leaves most of the GPU idle.
     weights["w_x"] = jnp.concatenate([weights.pop(name) for name in X_PARTS], axis=1)
+    # So do the two projections of q_a: XLA would merge them itself, but for FP8 weights it
+    # copies both matrices into one on every step (34 us on the H200) to do so.
+    weights["w_q"] = jnp.concatenate(
+        [weights.pop(name).reshape(cfg.q_lora_rank, -1) for name in ("wq_b", "wi_q")], axis=1
+    )
     if precision == "fp8":
         for name, spec in WEIGHT_SPECS.items():
             weights[name] = quantize_weight(weights[name], spec)
@@ -374,9 +380,8 @@ class Fp8Weight(NamedTuple):
 # The einsum spec each weight is used with (``dot``): it fixes its FP8 layout and scales.
 WEIGHT_SPECS = {
     "w_x": "rd,dc->rc",
-    "wq_b": "rq,qhc->rhc",
+    "w_q": "rq,qc->rc",
     "w_uk": "rhn,hnc->rhc",
-    "wi_q": "rq,qhk->rhk",
     "w_uv": "rhc,hcv->rhv",
     "wo": "rhv,hvd->rd",
 }
@@ -458,25 +463,34 @@ def cache_entries(w: dict, parts: XParts, positions: jax.Array) -> tuple[jax.Arr
     return jnp.concatenate([latent, k_rope], axis=-1), rope_head(index_key, positions)
 
 
-def absorbed_query(w: dict, parts: XParts, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Absorbed MLA query [R, H, 576] float32 and the normalized q_a [R, q_lora_rank]."""
+def q_projections(w: dict, parts: XParts) -> tuple[jax.Array, jax.Array]:
+    """The normalized q_a [R, q_lora_rank] times the fused [wq_b | wi_q]: the MLA query
+    [R, H, 192] and the indexer's query [R, index_heads, 128], float32, before RoPE."""
     q_a = rms_norm(parts.q_a, w["q_a_norm"])
-    q = dot(q_a, w["wq_b"], "rq,qhc->rhc")
+    fused = dot(q_a, w["w_q"], "rq,qc->rc")
+    heads, nope_dim, _ = weight_shape(w, "w_uk")
+    q, index_q = jnp.split(fused, [heads * (nope_dim + QK_ROPE_DIM)], axis=-1)
+    rows = fused.shape[0]
+    return q.reshape(rows, heads, -1), index_q.reshape(rows, -1, INDEX_HEAD_DIM)
+
+
+def absorbed_query(w: dict, q: jax.Array, positions: jax.Array) -> jax.Array:
+    """The MLA query [R, H, 192] (q_projections) -> the absorbed query [R, H, 576] float32."""
     nope_dim = weight_shape(w, "w_uk")[1]
     q_latent = dot(q[..., :nope_dim], w["w_uk"], "rhn,hnc->rhc")
     q_rope = rope(q[..., nope_dim:], positions[:, None])
-    return jnp.concatenate([q_latent, q_rope], axis=-1), q_a
+    return jnp.concatenate([q_latent, q_rope], axis=-1)
 
 
 def index_query(
-    w: dict, parts: XParts, q_a: jax.Array, positions: jax.Array
+    index_q: jax.Array, parts: XParts, positions: jax.Array
 ) -> tuple[jax.Array, jax.Array]:
-    """The DSA indexer's query [R, index_heads, 128] float8_e4m3fn, one scale per (row, head),
-    and the head weights [R, index_heads] float32 with that scale folded in: index_topk's
-    score is then k_scale * sum_h weights_h * relu(q8_h . k8), DeepSeek V3.2's indexer."""
-    heads = weight_shape(w, "wi_q")[1]
-    q = rope_head(dot(q_a, w["wi_q"], "rq,qhk->rhk"), positions[:, None])
-    q, q_scales = to_fp8_vectors(q)
+    """The DSA indexer's query [R, index_heads, 128] (q_projections) -> its float8_e4m3fn
+    form, one scale per (row, head), and the head weights [R, index_heads] float32 with that
+    scale folded in: index_topk's score is then k_scale * sum_h weights_h * relu(q8_h . k8),
+    DeepSeek V3.2's indexer."""
+    heads = index_q.shape[1]
+    q, q_scales = to_fp8_vectors(rope_head(index_q, positions[:, None]))
     weights = parts.index_weights * (heads**-0.5 * INDEX_HEAD_DIM**-0.5)
     return q, weights * q_scales
 
@@ -511,11 +525,12 @@ def make_step(
             kv_new = to_fp8(kv_new, cache.kv_scale)
             index_new, index_scales_new = to_fp8_vectors(index_new)
         with jax.named_scope("query"):
-            q, q_a = absorbed_query(w, parts, positions)
+            q, index_q = q_projections(w, parts)
+            q = absorbed_query(w, q, positions)
             q_scale = fp8_scale(q)
             q = to_fp8(q, q_scale)
         with jax.named_scope("index_query"):
-            index_q, index_weights = index_query(w, parts, q_a, positions)
+            index_q, index_weights = index_query(index_q, parts, positions)
         # One request whose R verify rows are the last R tokens of its context.
         lengths = (pos + x.shape[0]).reshape(1).astype(jnp.int32)
 

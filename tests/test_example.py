@@ -164,10 +164,10 @@ def test_index_query_folds_its_scales_into_the_weights(example):
     x = jax.numpy.asarray(np.random.default_rng(0).standard_normal((5, cfg.hidden)))
     positions = jax.numpy.arange(60, 65, dtype=jax.numpy.int32)
     parts = example.x_projections(w, x)
-    _, q_a = example.absorbed_query(w, parts, positions)
-    q8, weights = example.index_query(w, parts, q_a, positions)
+    _, index_q = example.q_projections(w, parts)
+    q8, weights = example.index_query(index_q, parts, positions)
     assert q8.dtype == jax.numpy.float8_e4m3fn and q8.shape == (5, cfg.index_heads, 128)
-    q = example.rope_head(example.dot(q_a, w["wi_q"], "rq,qhk->rhk"), positions[:, None])
+    q = example.rope_head(index_q, positions[:, None])
     q = np.asarray(q, np.float64)
     head_weights = parts.index_weights * (cfg.index_heads * 128) ** -0.5
     q_scale = np.asarray(weights, np.float64) / np.asarray(head_weights, np.float64)
