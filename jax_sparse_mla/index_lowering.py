@@ -43,6 +43,8 @@ STATE_TYPE = "jax_sparse_mla_index_topk_state"
 SM_SHARED_BYTES = 233472  # shared memory per SM on Hopper (228 KiB)
 CTA_RESERVED_BYTES = 1024  # the driver's share of it per resident CTA
 MAX_CTAS_PER_SM = 2  # the scores CTAs' registers (<= 128 per thread, 256 threads) allow no more
+TOPK_SINGLE_CTA_TOKENS = 8192  # a row's token slots one top-k CTA takes alone
+TOPK_MIN_SLICE = 4096  # token slots per CTA below which a larger cluster stops paying
 
 log = logging.getLogger("jax_sparse_mla")
 _LOCK = threading.Lock()
@@ -81,11 +83,20 @@ def span(batch: int, steps: int, head_tiles: int, capacity: int, sm_count: int) 
     return -(-tiles // per_request)
 
 
-def topk_cluster(rows: int, sm_count: int) -> int:
-    """CTAs per verify row of the top-k: a cluster of the largest of TOPK_CLUSTERS of which
-    ``rows`` clusters are resident at once (one wave), else 1 (the cluster's barriers and
-    exchanges only pay where the GPU would otherwise idle)."""
-    return max(c for c in TOPK_CLUSTERS if c == 1 or rows <= active_clusters(c, sm_count))
+def topk_cluster(rows: int, capacity: int, sm_count: int) -> int:
+    """CTAs per verify row of the top-k. One while a CTA can hold the row's
+    TOPK_SINGLE_CTA_TOKENS (the cluster's barriers and exchanges then cost more than they
+    save), else the largest of TOPK_CLUSTERS that leaves each CTA at least TOPK_MIN_SLICE token
+    slots and of which ``rows`` clusters are resident at once (one wave), else 1. Fitted to
+    the H200's top-k times per forced size (BENCHMARKS.md, 2026-12-01 session 14)."""
+    if pitch(capacity) <= TOPK_SINGLE_CTA_TOKENS:
+        return 1
+    return max(
+        c
+        for c in TOPK_CLUSTERS
+        if c == 1
+        or (rows <= active_clusters(c, sm_count) and pitch(capacity) >= c * TOPK_MIN_SLICE)
+    )
 
 
 def kernels_or_reason(avals, dcp_size: int) -> tuple[dict | None, str | None]:
@@ -107,7 +118,7 @@ def kernels_or_reason(avals, dcp_size: int) -> tuple[dict | None, str | None]:
         return None, f"sizes beyond the kernels' int32 / grid limits: {q.shape=}, {capacity=}"
     try:
         register_ffi_target()
-        cluster = topk_cluster(batch * steps, cuda_lowering.sm_count())
+        cluster = topk_cluster(batch * steps, capacity, cuda_lowering.sm_count())
         compiled = {
             "scores": index_compile.get_kernel(IndexKernel("scores")),
             "topk": index_compile.get_kernel(IndexKernel("topk", cluster)),

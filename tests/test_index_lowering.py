@@ -152,14 +152,14 @@ def same_kernels(kernels, monkeypatch):
     return kernels
 
 
-def _lowered_kernels(batch, steps):
+def _lowered_kernels(batch, steps, capacity):
     """The IndexKernel of each stage that the lowering picks for B x T verify rows."""
-    cluster = index_lowering.topk_cluster(batch * steps, cuda_lowering.sm_count())
+    cluster = index_lowering.topk_cluster(batch * steps, capacity, cuda_lowering.sm_count())
     return {"scores": IndexKernel("scores"), "topk": IndexKernel("topk", cluster)}
 
 
 def _check_kernel_call(attrs, kernels, batch=B, steps=T, heads=HI, capacity=N):
-    lowered = _lowered_kernels(batch, steps)
+    lowered = _lowered_kernels(batch, steps, capacity)
     for stage in STAGES:
         cubin = attrs[f"{stage}_cubin"]
         assert cubin.dtype == np.uint8 and cubin.tobytes()[:4] == ELF
@@ -205,7 +205,7 @@ def test_the_real_lookup_feeds_the_lowering(handler, kernels):
     """Without the test's stand-in for get_kernel: the cubins the package's own lookup
     finds (this process's, else shipped, cached or compiled) are the ones lowered."""
     attrs = _index_call(_lower(_index_topk("cute"), _args()))
-    for stage, kernel in _lowered_kernels(B, T).items():
+    for stage, kernel in _lowered_kernels(B, T, N).items():
         cubin = attrs[f"{stage}_cubin"].tobytes()
         assert cubin[:4] == ELF
         assert cubin == index_compile.get_kernel(kernel).cubin
@@ -350,7 +350,7 @@ def test_export_roundtrips_both_cubins(handler, same_kernels):
     attrs = _index_call(text)
     _check_kernel_call(attrs, same_kernels)
     for stage in STAGES:  # the NUL bytes survive serialization
-        kernel = same_kernels[_lowered_kernels(B, T)[stage].slug]
+        kernel = same_kernels[_lowered_kernels(B, T, N)[stage].slug]
         assert attrs[f"{stage}_cubin"].tobytes().count(0) == kernel.cubin.count(0)
 
 
@@ -481,13 +481,23 @@ def test_span_grows_with_the_work_and_shrinks_with_the_gpu():
     [(1, 16), (7, 16), (8, 8), (15, 8), (16, 4), (30, 4), (31, 2), (66, 2), (67, 1), (5000, 1)],
 )
 def test_topk_cluster_is_the_largest_resident_in_one_wave(rows, cluster):
-    """On 132 SMs: ``rows`` clusters of the chosen size are resident at once (the H200's
-    measured GPC limits: 7 of 16, 15 of 8, 30 of 4, 66 of 2), the next larger size is not,
-    and more rows than fit in pairs run one CTA each."""
-    assert index_lowering.topk_cluster(rows, 132) == cluster
+    """On 132 SMs, with slices long enough for any size: ``rows`` clusters of the chosen
+    size are resident at once (the H200's measured GPC limits: 7 of 16, 15 of 8, 30 of 4,
+    66 of 2), the next larger size is not, and more rows than fit in pairs run one CTA each."""
+    assert index_lowering.topk_cluster(rows, 131072, 132) == cluster
     assert cluster == 1 or rows <= active_clusters(cluster, 132)
     larger = [c for c in TOPK_CLUSTERS if c > cluster]
     assert not larger or rows > active_clusters(larger[0], 132)
+
+
+@pytest.mark.parametrize(
+    ("capacity", "cluster"),
+    [(1, 1), (4096, 1), (8192, 1), (8193, 2), (16384, 4), (32768, 8), (32784, 8), (65536, 16)],
+)
+def test_topk_cluster_leaves_each_cta_a_long_slice(capacity, cluster):
+    """One row: a single CTA up to 8192 token slots, then the largest cluster whose CTAs keep
+    at least 4096 slots each (the H200's fastest sizes per context, session 14's sweep)."""
+    assert index_lowering.topk_cluster(1, capacity, 132) == cluster
 
 
 def test_ffi_mirrors_the_kernels_static_sizes():

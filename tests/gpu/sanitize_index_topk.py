@@ -32,7 +32,7 @@ def main() -> None:
     scales = rng.uniform(0.5, 2.0, 1500).astype(np.float32)
     lengths = np.asarray([0, 1, 300, 5000], np.int32)
     for cluster in TOPK_CLUSTERS:
-        index_lowering.topk_cluster = lambda rows, sm_count, cluster=cluster: cluster
+        index_lowering.topk_cluster = lambda rows, capacity, sm_count, cluster=cluster: cluster
         for steps, heads in ((1, 3), (5, 130)):
             q = rng.standard_normal((4, steps, heads, 128)).astype(FP8)
             weights = rng.standard_normal((4, steps, heads)).astype(np.float32)

@@ -148,7 +148,7 @@ def test_exact_inputs_equal_the_reference(case):
 def test_every_top_k_cluster_size_equals_the_reference(cluster, monkeypatch):
     """Each top-k cubin, whatever the row count would pick: slices of one and of several
     steps of keys, rows shorter and longer than top_k, ties across the slices."""
-    monkeypatch.setattr(index_lowering, "topk_cluster", lambda rows, sm_count: cluster)
+    monkeypatch.setattr(index_lowering, "topk_cluster", lambda rows, capacity, sm_count: cluster)
     for batch, steps, capacity, top_k, lengths in (
         (2, 2, 40000, 2048, [40000, 17000]),
         (3, 1, 3000, 512, [3000, 400, 1]),
