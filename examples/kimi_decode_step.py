@@ -427,6 +427,20 @@ def weight_shape(w: dict, name: str) -> tuple[int, ...]:
     return tuple(weight.values.shape[letters.index(c)] for c in rhs)
 
 
+def head_specs(weight: jax.Array | Fp8Weight, name: str) -> Any:
+    """The PartitionSpec(s) that shard weight ``name`` by its head axis over the DCP mesh (an
+    Fp8Weight: its values and its scales alike; a scale per output of a row-parallel
+    projection, as wo's, is replicated: each rank scales its partial sums, then the psum)."""
+    spec = WEIGHT_SPECS[name]
+
+    def over_heads(letters: str) -> P:
+        return P(*(MESH_AXIS if c == "h" else None for c in letters))
+
+    if isinstance(weight, Fp8Weight):
+        return Fp8Weight(*map(over_heads, fp8_axes(spec)))
+    return over_heads(spec.split(",")[1].split("->")[0])
+
+
 def along(values: jax.Array, letters: str, out: str) -> jax.Array:
     """``values`` (axes ``letters``, a subset of ``out``'s in any order) shaped to broadcast
     against an array of axes ``out``."""
@@ -651,10 +665,11 @@ def dcp_attention(
         return out, local, latent, tokens[None]
 
     heads = P(None, MESH_AXIS, None)
+    w_specs = (head_specs(w["w_uv"], "w_uv"), head_specs(w["wo"], "wo"))
     sharded = jax.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=(CACHE_SPECS, P(), heads, P(), P(), P(), P(), P(MESH_AXIS), P(MESH_AXIS)),
+        in_specs=(CACHE_SPECS, P(), heads, P(), P(), P(), P(), *w_specs),
         out_specs=(P(), CACHE_SPECS, heads, P(MESH_AXIS)),
     )
     return sharded(
@@ -851,7 +866,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         default="bf16",
         help="the layer's weight matrices: bf16 (default) or fp8 (E4M3 with one scale per "
         "output, as DeepSeek V3 / Kimi K2 ship FP8 weights; used weight-only: bf16 "
-        "activations, the GEMMs read the E4M3 values; --dcp 1 only)",
+        "activations, the GEMMs read the E4M3 values)",
     )
     parser.add_argument(
         "--iters",
@@ -887,8 +902,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--context must be positive, --iters, --warmup, --profile-calls not negative")
     if args.config.heads % args.dcp:
         parser.error(f"--heads {args.config.heads} must be a multiple of --dcp {args.dcp}")
-    if args.weights == "fp8" and args.dcp > 1:
-        parser.error("--weights fp8 runs with --dcp 1 only (the FP8 wo's layout is not sharded)")
     return args
 
 
@@ -1002,7 +1015,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     pos = jnp.int32(context)
 
     weight_specs = {name: P() for name in weights}
-    weight_specs.update(w_uv=P(MESH_AXIS), wo=P(MESH_AXIS))
+    weight_specs.update({name: head_specs(weights[name], name) for name in ("w_uv", "wo")})
     weights = place(weights, mesh, weight_specs)
     x, pos = place((x, pos), mesh, (P(), P()))  # replicated once, not copied at every call
 

@@ -150,13 +150,28 @@ def test_fp8_weights_keep_k_last_and_one_scale_per_output(example):
     assert np.max(np.abs(got - want)) < np.max(np.abs(w8a8 - want)) / 4  # not E4M3 activations
 
 
-def test_fp8_weights_small_layer_passes_and_refuse_dcp(example, capsys):
-    result = example.main([*SMALL, "--weights", "fp8"])
+@pytest.mark.parametrize("dcp", [1, 2])
+def test_fp8_weights_small_layer_passes(example, capsys, dcp):
+    """--weights fp8 on one device and under DCP (W_UV and wo sharded by head, values and
+    scales alike: head_specs)."""
+    if len(jax.devices()) < dcp:
+        pytest.skip(f"needs {dcp} devices (tests/conftest.py forces 8 on CPU)")
+    result = example.main([*SMALL, "--weights", "fp8", "--dcp", str(dcp)])
     out = capsys.readouterr().out
     assert result["passed"] and "FP8 E4M3 matrices, one scale per output" in out, out
-    with pytest.raises(SystemExit):
-        example.main([*SMALL, "--weights", "fp8", "--dcp", "2"])
-    assert "--weights fp8 runs with --dcp 1 only" in capsys.readouterr().err
+
+
+def test_head_specs_follow_each_storage(example):
+    """W_UV and wo sharded on their head axis: bf16 in the specs' axes, FP8 in the K-last
+    layout (wo's per-output scales replicated, W_UV's per (head, output) sharded)."""
+    P, axis = jax.sharding.PartitionSpec, example.MESH_AXIS
+    bf16 = example.init_weights(example.SMALL, seed=0)
+    fp8 = example.init_weights(example.SMALL, seed=0, precision="fp8")
+    assert example.head_specs(bf16["wo"], "wo") == P(axis, None, None)
+    assert example.head_specs(fp8["wo"], "wo") == example.Fp8Weight(P(None, axis, None), P(None))
+    assert example.head_specs(fp8["w_uv"], "w_uv") == example.Fp8Weight(
+        P(axis, None, None), P(axis, None)
+    )
 
 
 def test_index_query_folds_its_scales_into_the_weights(example):
