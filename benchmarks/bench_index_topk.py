@@ -4,6 +4,7 @@
     python benchmarks/bench_index_topk.py --cases 1x5x32768 64x1x32768 --calls 100
     python benchmarks/bench_index_topk.py --plot benchmarks/index_topk_vs_context.png
     python benchmarks/bench_index_topk.py --cache flat --cases 1x5x32784
+    python benchmarks/bench_index_topk.py --cases 1x5x32768 --topk-cluster 16   # a forced size
 
 Cases are B x T x context: B requests of T verify rows each over `context` cached tokens
 (DESIGN.md section 5): 64 index heads of 128, top-k 2048, a paged FP8 index cache (blocks of 64
@@ -19,8 +20,9 @@ p10/p90 over --calls calls. The HBM floor is the index keys read once per reques
 * 132 bytes at 4.8 TB/s. The anchors are DESIGN.md's (an H200, 2026-12-01: DeepGEMM
 fp8_paged_mqa_logits + vLLM cooperative_topk, kernel time per call). Each case also compares
 the two paths' tokens: differing tokens, and whether they are ties within FP32 rounding at a
-row's k-th score (examples/token_agreement.py). Exits with status 1 when a check fails, 2
-without a CUDA GPU.
+row's k-th score (examples/token_agreement.py). --topk-cluster / --span force the lowering's
+choices (the top-k's CTAs per row, the scores' key tiles per CTA) for sweeps, and say so in
+the output. Exits with status 1 when a check fails, 2 without a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ import token_agreement
 from gpu_profile import profile_calls
 
 import jax_sparse_mla
+from jax_sparse_mla import index_lowering
+from jax_sparse_mla.kernel.index.config import TOPK_CLUSTERS
 
 TARGET = "jax_sparse_mla_index_topk"  # the kernel's XLA custom call
 # Its attributes name the kernels it launches (scores_kernel, topk_kernel).
@@ -268,6 +272,17 @@ def parse_case(text: str) -> tuple[int, int, int]:
     return batch, steps, context
 
 
+def force_choices(cluster: int | None, span: int | None) -> None:
+    """Replaces the lowering's rules for the top-k cluster and the scores span by constants
+    (for sweeps; every cubin is shipped and tested), loudly."""
+    if cluster is not None:
+        print(f"FORCED: top-k clusters of {cluster} CTAs per row (not index_lowering's rule)")
+        index_lowering.topk_cluster = lambda rows, capacity, sm_count: cluster
+    if span is not None:
+        print(f"FORCED: {span} key tiles per scores CTA (not index_lowering's rule)")
+        index_lowering.span = lambda batch, steps, head_tiles, capacity, sm_count: span
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -296,9 +311,24 @@ def main(argv: list[str] | None = None) -> int:
         help=f"also time B=1, T=5 at contexts {PLOT_CONTEXTS} and write a PNG of GPU time vs "
         f"context there (needs matplotlib; skipped with a message without it)",
     )
+    parser.add_argument(
+        "--topk-cluster",
+        type=int,
+        choices=TOPK_CLUSTERS,
+        help="force the top-k's CTAs per verify row for every case (default: the lowering's "
+        "rule, index_lowering.topk_cluster)",
+    )
+    parser.add_argument(
+        "--span",
+        type=int,
+        help="force the scores kernel's key tiles per CTA for every case (default: the "
+        "lowering's rule, index_lowering.span)",
+    )
     args = parser.parse_args(argv)
     if args.calls < 1:
         parser.error("--calls must be positive")
+    if args.span is not None and args.span < 1:
+        parser.error("--span must be positive")
     if jax.default_backend() != "gpu":
         print(
             f"bench_index_topk needs a CUDA GPU (a Hopper one for the kernel); JAX's backend "
@@ -306,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    force_choices(args.topk_cluster, args.span)
     cases = list(dict.fromkeys(args.cases))
     sweep = [(1, 5, context) for context in PLOT_CONTEXTS] if args.plot else []
     jobs = cases + [case for case in sweep if case not in cases]
