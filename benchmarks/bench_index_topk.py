@@ -194,7 +194,7 @@ def spread(times: dict[str, float] | None) -> str:
     return f"{times['median']:.1f} [{times['p10']:.1f}, {times['p90']:.1f}]"
 
 
-def table(results: list[dict], calls: int) -> list[str]:
+def table(results: list[dict], calls: int, forced: list[str]) -> list[str]:
     lines = [
         "| case B x T x context | ours (cute) us | ours, its kernels us | ours, scores kernel us "
         "| jnp reference us | HBM floor us | anchor us (DeepGEMM + vLLM) | goal us | "
@@ -226,7 +226,7 @@ def table(results: list[dict], calls: int) -> list[str]:
         f"index_topk(implementation='cute')); same inputs, one run; HBM floor = B * context * "
         f"{KEY_BYTES} B / 4.8 TB/s (keys read once per request, whatever T); anchors are "
         f"kernel-time sums measured on an H200 2026-12-01 (DESIGN.md section 5); ours / anchor "
-        f"uses the span."
+        f"uses the span." + "".join(f" {line}" for line in forced)
     )
     return lines
 
@@ -272,15 +272,22 @@ def parse_case(text: str) -> tuple[int, int, int]:
     return batch, steps, context
 
 
-def force_choices(cluster: int | None, span: int | None) -> None:
+def force_choices(cluster: int | None, span: int | None) -> list[str]:
     """Replaces the lowering's rules for the top-k cluster and the scores span by constants
-    (for sweeps; every cubin is shipped and tested), loudly."""
+    (for sweeps; every cubin is shipped and tested), loudly: returns the FORCED lines, printed
+    here and again under the table."""
+    forced = []
     if cluster is not None:
-        print(f"FORCED: top-k clusters of {cluster} CTAs per row (not index_lowering's rule)")
+        forced.append(
+            f"FORCED: top-k clusters of {cluster} CTAs per row (not index_lowering's rule)."
+        )
         index_lowering.topk_cluster = lambda rows, capacity, sm_count: cluster
     if span is not None:
-        print(f"FORCED: {span} key tiles per scores CTA (not index_lowering's rule)")
+        forced.append(f"FORCED: {span} key tiles per scores CTA (not index_lowering's rule).")
         index_lowering.span = lambda batch, steps, head_tiles, capacity, sm_count: span
+    for line in forced:
+        print(line)
+    return forced
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -336,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    force_choices(args.topk_cluster, args.span)
+    forced = force_choices(args.topk_cluster, args.span)
     cases = list(dict.fromkeys(args.cases))
     sweep = [(1, 5, context) for context in PLOT_CONTEXTS] if args.plot else []
     jobs = cases + [case for case in sweep if case not in cases]
@@ -356,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['floor_us']:.2f} us; tokens vs reference: {r['agreement'].summary()}",
             flush=True,
         )
-    print("\n".join(table([measured[case] for case in cases], args.calls)), flush=True)
+    print("\n".join(table([measured[case] for case in cases], args.calls, forced)), flush=True)
     if args.plot:
         plot([measured[case] for case in sweep], args.plot)
     failed = [case_name(c) for c, r in measured.items() if not r["agreement"].agrees]

@@ -89,13 +89,13 @@ def topk_cluster(rows: int, capacity: int, sm_count: int) -> int:
     save), else the largest of TOPK_CLUSTERS that leaves each CTA at least TOPK_MIN_SLICE token
     slots and of which ``rows`` clusters are resident at once (one wave), else 1. Fitted to
     the H200's top-k times per forced size (BENCHMARKS.md, 2026-12-01 session 14)."""
-    if pitch(capacity) <= TOPK_SINGLE_CTA_TOKENS:
+    slots = pitch(capacity)
+    if slots <= TOPK_SINGLE_CTA_TOKENS:
         return 1
     return max(
         c
         for c in TOPK_CLUSTERS
-        if c == 1
-        or (rows <= active_clusters(c, sm_count) and pitch(capacity) >= c * TOPK_MIN_SLICE)
+        if c == 1 or (rows <= active_clusters(c, sm_count) and slots >= c * TOPK_MIN_SLICE)
     )
 
 

@@ -27,11 +27,12 @@ def test_forced_choices_replace_the_rules_loudly(bench, monkeypatch, capsys):
     monkeypatch.setattr(index_lowering, "topk_cluster", index_lowering.topk_cluster)
     monkeypatch.setattr(index_lowering, "span", index_lowering.span)
     assert index_lowering.topk_cluster(1, 32768, 132) == 8  # the rule, before
-    bench.force_choices(16, 3)
+    forced = bench.force_choices(16, 3)
     assert index_lowering.topk_cluster(1, 32768, 132) == 16
     assert index_lowering.span(1, 5, 1, 32768, 132) == 3
     out = capsys.readouterr().out
     assert "FORCED: top-k clusters of 16" in out and "FORCED: 3 key tiles" in out
+    assert len(forced) == 2 and all(line in out for line in forced)  # and for the Method line
 
 
 @pytest.mark.parametrize("flags", [["--topk-cluster", "3"], ["--span", "0"], ["--calls", "0"]])
