@@ -346,34 +346,31 @@ class IndexScores:
     ):
         """Every verify row's order keys of one key tile (tokens ``position`` ..). The T x G
         (verify row, head tile) units go two at a time: the second's MMAs run during the
-        first's epilogue (an odd count's last pair repeats its unit and drops the copy); one
-        unit (T = 1, up to 64 heads) goes alone."""
+        first's epilogue; an odd count's last unit (T = 1, up to 64 heads: the only one) goes
+        alone (issuing it twice as a pair would spend a pair's tensor and shared-memory time
+        on a copy: 4 of 24 MMAs per tile at T = 5)."""
         units = steps * head_tiles
         totals = cute.make_rmem_tensor((2,), Float32)
         totals.fill(0.0)
-        if units == 1:
+        t, g = Int32(0), Int32(0)  # the next unit's verify row and head tile
+        for unit in cutlass.range(0, units - units % 2, 2, unroll=1):
+            t1, g1 = self.next_unit(t, g, head_tiles)
+            ptx.wgmma_fence()  # both groups in flight: the second need not wait
+            s0 = self.mma(sK, sQuery, unit)
+            s1 = self.mma(sK, sQuery, unit + 1)
+            ptx.wgmma_wait(1)
+            self.epilogue(ptx.pin_f32(s0), totals, sS, sL, sWeights, head_tiles, out, pitch,
+                          position, t, g, tid)  # fmt: skip
+            ptx.wgmma_wait(0)
+            self.epilogue(ptx.pin_f32(s1), totals, sS, sL, sWeights, head_tiles, out, pitch,
+                          position, t1, g1, tid)  # fmt: skip
+            t, g = self.next_unit(t1, g1, head_tiles)
+        if units % 2 == 1:
             ptx.wgmma_fence()
-            s = self.mma(sK, sQuery, 0)
+            s = self.mma(sK, sQuery, units - 1)
             ptx.wgmma_wait(0)
             self.epilogue(ptx.pin_f32(s), totals, sS, sL, sWeights, head_tiles, out, pitch,
-                          position, Int32(0), Int32(0), tid)  # fmt: skip
-        else:
-            t, g = Int32(0), Int32(0)  # the pair's first unit's verify row and head tile
-            for unit in cutlass.range(0, units, 2, unroll=1):
-                second = min(unit + 1, units - 1)
-                t1, g1 = self.next_unit(t, g, head_tiles)
-                ptx.wgmma_fence()  # both groups in flight: the second need not wait
-                s0 = self.mma(sK, sQuery, unit)
-                s1 = self.mma(sK, sQuery, second)
-                ptx.wgmma_wait(1)
-                self.epilogue(ptx.pin_f32(s0), totals, sS, sL, sWeights, head_tiles, out,
-                              pitch, position, t, g, tid)  # fmt: skip
-                ptx.wgmma_wait(0)
-                s1 = ptx.pin_f32(s1)
-                if second > unit:
-                    self.epilogue(s1, totals, sS, sL, sWeights, head_tiles, out, pitch,
-                                  position, t1, g1, tid)  # fmt: skip
-                t, g = self.next_unit(t1, g1, head_tiles)
+                          position, t, g, tid)  # fmt: skip
 
     @cute.jit
     def next_unit(self, t, g, head_tiles):
@@ -414,14 +411,19 @@ class IndexScores:
                 high = index_ptx.relu_nan(s[4 * j + 2 * r + 1])
                 totals[r] = totals[r] + w0 * low + w1 * high
         if g == head_tiles - 1:
+            reduced = []
             for r in cutlass.range_constexpr(2):
                 total = totals[r]
                 for shift in cutlass.range_constexpr(2):
                     total = total + cute.arch.shuffle_sync_bfly(total, offset=1 << shift)
-                if quad == r:
-                    row = 16 * warp + lane // 4 + 8 * r
-                    score = ptx.load_shared_f32(sS + row * 4) * total
-                    key = order_key(score, ptx.load_shared_u32(sL + row * 4))
-                    dst = out + (Int64(t) * pitch + position + row) * 4
-                    ptx.store_global_b32(dst, key)
+                reduced.append(total)
+            # Lane quad r < 2 stores token r's key: one store path for both (a branch per
+            # token diverged, every warp running both).
+            if quad < 2:
+                row = 16 * warp + lane // 4 + 8 * quad
+                score = ptx.load_shared_f32(sS + row * 4) * ptx.where(
+                    quad == 0, reduced[0], reduced[1]
+                )
+                key = order_key(score, ptx.load_shared_u32(sL + row * 4))
+                ptx.store_global_b32(out + (Int64(t) * pitch + position + row) * 4, key)
             totals.fill(0.0)
