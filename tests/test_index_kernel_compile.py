@@ -126,12 +126,13 @@ def test_sass(cubin_path, kernel):
     assert "LDL" not in counts and "STL" not in counts, "local-memory spills"
     gmmas = re.findall(r"\b[A-Z]*GMMA\.\S+", sass)
     if kernel.stage == "scores":
-        # Tokens as M, heads as N, k32 steps of FP8 E4M3 x E4M3 into F32, from shared memory;
-        # a tile's dot products are whole chains of K_STEPS MMAs.
-        shape = f"QGMMA.{TOKENS}x{HEADS}x32.F32.E4M3.E4M3"
-        assert gmmas and set(gmmas) == {shape}, counts
-        assert len(gmmas) % K_STEPS == 0, len(gmmas)
-        assert re.search(rf"{re.escape(shape)} R\d+, gdesc\[UR\d+\]", sass)
+        # Tokens as M, heads as N (one head tile, or a pair of units), k32 steps of FP8 E4M3 x
+        # E4M3 into F32, from shared memory; a tile's dot products are whole chains of K_STEPS
+        # MMAs.
+        shapes = {f"QGMMA.{TOKENS}x{n}x32.F32.E4M3.E4M3" for n in (HEADS, 2 * HEADS)}
+        assert gmmas and set(gmmas) == shapes, counts
+        assert all(gmmas.count(shape) % K_STEPS == 0 for shape in shapes), gmmas
+        assert all(re.search(rf"{re.escape(s)} R\d+, gdesc\[UR\d+\]", sass) for s in shapes)
         assert counts.get("WARPGROUP", 0) >= 2, counts  # arrive, then wait on the group
         assert "HMMA" not in counts and "HGMMA" not in counts, counts
     else:

@@ -23,7 +23,7 @@ STAGES = 4  # key tiles in flight per warpgroup (cp.async ring)
 MAX_QUERY_TILES = 16  # T * ceil(Hi / HEADS) query tiles staged per CTA
 # Dynamic shared memory: [SCORE_WARPGROUPS, STAGES] key tiles (swizzled), [.., TOKENS] f32 key
 # scales, [.., TOKENS] i32 live flags, [T * G] query tiles (swizzled), [T, G * HEADS] f32
-# weights.
+# weights (each head tile's 64 in scores.weight_slot's order).
 RING = SCORE_WARPGROUPS * STAGES  # key tile buffers
 KEYS_OFFSET = 0
 SCALES_OFFSET = KEYS_OFFSET + RING * TILE_BYTES

@@ -73,6 +73,16 @@ def swizzled(row, piece):
 
 
 @cute.jit
+def weight_slot(head):
+    """Where a head tile's weight of head ``head`` is staged: the epilogue's lane quad q reads
+    its 16 weights (heads 8 j + 2 q and + 1, j < 8) as four 16-byte words, word k (at 4 k + q)
+    holding heads 16 k + 2 q, + 1, 16 k + 8 + 2 q, + 1 (one shared-memory wavefront per warp
+    and word, half the loads of pairs)."""
+    j, quad = head // 8, (head % 8) // 2
+    return (4 * (j // 2) + quad) * 4 + (j % 2) * 2 + head % 2
+
+
+@cute.jit
 def order_key(score, live):
     """The 32-bit key whose unsigned order is the selection's: higher score higher, -0.0 as
     +0.0, NaN (1) below every number, 0 where ``live`` is 0 (no candidate)."""
@@ -201,7 +211,8 @@ class IndexScores:
             index_ptx.cp_async_16(dst, q_base + Int64(i) * 16, 16)
         w_base = mWeights.toint() + Int64(b) * steps * heads * 4
         for i in cutlass.range(tid, steps * heads, SCORE_THREADS, unroll=1):
-            index_ptx.cp_async_4(sWeights + i * 4, w_base + Int64(i) * 4, 4)
+            dst = sWeights + (i - i % HEADS + weight_slot(i % HEADS)) * 4
+            index_ptx.cp_async_4(dst, w_base + Int64(i) * 4, 4)
         longest = row_limit(length, rank, steps - 1, steps, capacity, dcp_size)
         # The CTA's tiles [x * span, + count); this warpgroup's share of them.
         count = max(min(span, (longest + TOKENS - 1) // TOKENS - x * span), 0)
@@ -345,32 +356,33 @@ class IndexScores:
         self, sK, sS, sL, sQuery, sWeights, steps, head_tiles, out, pitch, position, tid
     ):
         """Every verify row's order keys of one key tile (tokens ``position`` ..). The T x G
-        (verify row, head tile) units go two at a time: the second's MMAs run during the
-        first's epilogue; an odd count's last unit (T = 1, up to 64 heads: the only one) goes
-        alone (issuing it twice as a pair would spend a pair's tensor and shared-memory time
-        on a copy: 4 of 24 MMAs per tile at T = 5)."""
+        (verify row, head tile) units go two at a time, as one wgmma of N = 128 (the key tile
+        read from shared memory once per pair); an odd count's last unit (T = 1, up to 64
+        heads: the only one) goes alone. The CTA's other warpgroup and the SM's other CTA
+        overlap a pair's MMAs with their epilogues."""
         units = steps * head_tiles
+        # The key scale and live flag of the token whose keys this thread stores (lane quad
+        # r < 2: token r of its two), read once for all verify rows.
+        lane = tid % 32
+        row = 16 * (tid // 32) + lane // 4 + 8 * (lane % 2)
+        token = (row, ptx.load_shared_f32(sS + row * 4), ptx.load_shared_u32(sL + row * 4))
         totals = cute.make_rmem_tensor((2,), Float32)
         totals.fill(0.0)
         t, g = Int32(0), Int32(0)  # the next unit's verify row and head tile
         for unit in cutlass.range(0, units - units % 2, 2, unroll=1):
             t1, g1 = self.next_unit(t, g, head_tiles)
-            ptx.wgmma_fence()  # both groups in flight: the second need not wait
-            s0 = self.mma(sK, sQuery, unit)
-            s1 = self.mma(sK, sQuery, unit + 1)
-            ptx.wgmma_wait(1)
-            self.epilogue(ptx.pin_f32(s0), totals, sS, sL, sWeights, head_tiles, out, pitch,
+            ptx.wgmma_fence()
+            pair = ptx.pin_f32(self.mma(sK, sQuery, unit, 2))
+            self.epilogue(pair[:ACC], totals, token, sWeights, head_tiles, out, pitch,
                           position, t, g, tid)  # fmt: skip
-            ptx.wgmma_wait(0)
-            self.epilogue(ptx.pin_f32(s1), totals, sS, sL, sWeights, head_tiles, out, pitch,
+            self.epilogue(pair[ACC:], totals, token, sWeights, head_tiles, out, pitch,
                           position, t1, g1, tid)  # fmt: skip
             t, g = self.next_unit(t1, g1, head_tiles)
         if units % 2 == 1:
             ptx.wgmma_fence()
-            s = self.mma(sK, sQuery, units - 1)
-            ptx.wgmma_wait(0)
-            self.epilogue(ptx.pin_f32(s), totals, sS, sL, sWeights, head_tiles, out, pitch,
-                          position, t, g, tid)  # fmt: skip
+            s = ptx.pin_f32(self.mma(sK, sQuery, units - 1, 1))
+            self.epilogue(s, totals, token, sWeights, head_tiles, out, pitch, position, t, g,
+                          tid)  # fmt: skip
 
     @cute.jit
     def next_unit(self, t, g, head_tiles):
@@ -379,37 +391,42 @@ class IndexScores:
         return ptx.where_i32(last, t + 1, t), ptx.where_i32(last, 0, g + 1)
 
     @cute.jit
-    def mma(self, sK, sQuery, unit):
-        """S = K Q^T of the key tile and query tile ``unit`` (verify row t, head tile g at
-        t * G + g), issued as one wgmma group."""
+    def mma(self, sK, sQuery, unit, count: int):
+        """S = K Q^T of the key tile and ``count`` consecutive query tiles from ``unit``
+        (verify row t, head tile g at t * G + g; contiguous, so one wgmma of N = 64 count
+        covers them, reading the key tile once), waited for: accumulators [ACC * i, + ACC)
+        belong to unit + i."""
         # The k-th step's descriptors: the start address field (16-byte units, far below its
         # 14-bit limit) advanced by 32 bytes per step, without rebuilding the descriptor.
         desc_k = ptx.smem_descriptor(sK, 16, 8 * DIM, SWIZZLE_128B)
         desc_q = ptx.smem_descriptor(sQuery + unit * TILE_BYTES, 16, 8 * DIM, SWIZZLE_128B)
         s = None
         for k in cutlass.range_constexpr(K_STEPS):
-            s = index_ptx.wgmma_e4m3_ss(s, desc_k + 2 * k, desc_q + 2 * k, n=ACC)
+            s = index_ptx.wgmma_e4m3_ss(s, desc_k + 2 * k, desc_q + 2 * k, n=ACC * count)
         ptx.wgmma_commit()
+        ptx.wgmma_wait(0)
         return s
 
     @cute.jit
     def epilogue(
-        self, s, totals, sS, sL, sWeights, head_tiles, out, pitch, position, t, g, tid
+        self, s, totals, token, sWeights, head_tiles, out, pitch, position, t, g, tid
     ):  # fmt: skip
         """Adds sum_h w[t, h] relu(S) of head tile g of verify row t to ``totals`` (this
-        thread's two tokens); after the row's last head tile, its tokens' order keys leave."""
-        warp, lane = tid // 32, tid % 32
-        quad = lane % 4
+        thread's two tokens); after the row's last head tile, the order key of ``token`` (its
+        tile row, key scale and live flag) leaves."""
+        quad = tid % 4
         # Value v: token 16 warp + lane / 4 + 8 ((v / 2) % 2), head 8 (v / 4) + 2 quad + v % 2
-        # of this head tile.
+        # of this head tile; the weights of heads 8 j + 2 quad (+ 1) at weight_slot's places.
         w_row = sWeights + (t * head_tiles + g) * HEADS * 4
-        for j in cutlass.range_constexpr(ACC // 4):
-            # Heads 8 j + 2 quad (+ 1) of this tile, for both of the thread's tokens.
-            w0, w1 = ptx.load_shared_v2_f32(w_row + (8 * j + 2 * quad) * 4)
-            for r in cutlass.range_constexpr(2):
-                low = index_ptx.relu_nan(s[4 * j + 2 * r])
-                high = index_ptx.relu_nan(s[4 * j + 2 * r + 1])
-                totals[r] = totals[r] + w0 * low + w1 * high
+        for k in cutlass.range_constexpr(ACC // 8):
+            weights = ptx.load_shared_v4_f32(w_row + (4 * k + quad) * 16)
+            for half in cutlass.range_constexpr(2):
+                j = 2 * k + half
+                w0, w1 = weights[2 * half], weights[2 * half + 1]
+                for r in cutlass.range_constexpr(2):
+                    low = index_ptx.relu_nan(s[4 * j + 2 * r])
+                    high = index_ptx.relu_nan(s[4 * j + 2 * r + 1])
+                    totals[r] = totals[r] + w0 * low + w1 * high
         if g == head_tiles - 1:
             reduced = []
             for r in cutlass.range_constexpr(2):
@@ -420,10 +437,7 @@ class IndexScores:
             # Lane quad r < 2 stores token r's key: one store path for both (a branch per
             # token diverged, every warp running both).
             if quad < 2:
-                row = 16 * warp + lane // 4 + 8 * quad
-                score = ptx.load_shared_f32(sS + row * 4) * ptx.where(
-                    quad == 0, reduced[0], reduced[1]
-                )
-                key = order_key(score, ptx.load_shared_u32(sL + row * 4))
+                row, scale, live = token
+                key = order_key(scale * ptx.where(quad == 0, reduced[0], reduced[1]), live)
                 ptx.store_global_b32(out + (Int64(t) * pitch + position + row) * 4, key)
             totals.fill(0.0)
