@@ -24,8 +24,10 @@ from typing import Any
 import jax
 from jax.profiler import ProfileData
 
-PAUSE_S = 5e-3  # the host's sleep between calls
-GAP_NS = 2_000_000  # an idle gap this long ends a call: kernels of one call are far closer
+PAUSE_S = 1e-3  # the host's sleep between calls (5 ms lengthened the spans of two-kernel
+# calls at the 17-us scale by up to 8 us: the host's second launch came later)
+GAP_NS = 300_000  # an idle gap this long ends a call: kernels of one call are far closer
+# (a host hiccup between two launches of one call can idle the GPU for tens of us)
 RECORD_ATTEMPTS = 3  # traces recorded before giving up on one that splits into the calls
 Events = list[tuple[int, int, str]]  # (start ns, end ns, name)
 
