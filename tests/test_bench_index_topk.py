@@ -1,26 +1,16 @@
 """benchmarks/bench_index_topk.py on CPU: its options (the forced lowering choices for sweeps)
 and its refusal to measure without a GPU."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import jax
 import pytest
 
 from jax_sparse_mla import index_lowering
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_index_topk.py"
-
 
 @pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("bench_index_topk", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+def bench(load_script):
+    with load_script("benchmarks/bench_index_topk.py") as module:
+        yield module
 
 
 def test_forced_choices_replace_the_rules_loudly(bench, monkeypatch, capsys):

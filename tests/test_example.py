@@ -2,25 +2,16 @@
 dense float32 attention over the same selected keys, on one device and under DCP."""
 
 import dataclasses
-import importlib.util
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "kimi_decode_step.py"
-
 
 @pytest.fixture(scope="module")
-def example():
-    spec = importlib.util.spec_from_file_location("kimi_decode_step", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve the module by name
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+def example(load_script):
+    with load_script("examples/kimi_decode_step.py") as module:
+        yield module
 
 
 # Context 60 < top-k 64: the verify rows at positions 60..64 see 61..65 tokens, so the first

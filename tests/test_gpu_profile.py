@@ -1,23 +1,13 @@
 """benchmarks/gpu_profile.py on CPU: calls split at the idle gaps, and a trace that does not
 split into one group per call recorded again (then refused), never guessed at."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-
-PROFILE = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_profile.py"
 
 
 @pytest.fixture(scope="module")
-def gpu_profile():
-    spec = importlib.util.spec_from_file_location("gpu_profile", PROFILE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+def gpu_profile(load_script):
+    with load_script("benchmarks/gpu_profile.py") as module:
+        yield module
 
 
 def _trace(gpu_profile, calls: int, extra: bool):
