@@ -7,10 +7,11 @@ then each warpgroup streams every SCORE_WARPGROUPS-th of the CTA's key tiles (64
 bytes, gathered through the block table by 16-byte cp.async, zero-filled where the block is
 outside the cache) through its own ring of STAGES buffers, synchronised by its own named
 barrier (the warpgroups overlap each other's waits and epilogues: twice the warps per SM for
-the same staged queries). Per key tile and verify row t: for each head tile, S = K Q^T by
-four wgmma m64n64k32 E4M3 (tokens as M, heads as N, FP32 accumulators), then the epilogue
-sum_h w[t, h] relu(S) in FP32 (16 heads per thread, then the quad's four lanes), times the
-token's key scale. The result leaves as the score's order key (``order_key``): the top-k
+the same staged queries). Per key tile, the (verify row t, head tile) units two at a time:
+S = K Q^T by four wgmma m64n128k32 E4M3 (tokens as M, the pair's 128 heads as N, FP32
+accumulators; an odd count's last unit m64n64k32), then per unit the epilogue sum_h w[t, h]
+relu(S) in FP32 (16 heads per thread, then the quad's four lanes), times the token's key
+scale. The result leaves as the score's order key (``order_key``): the top-k
 kernel selects on those 32-bit keys, 0 meaning no candidate.
 
 Hopper's FP8 wgmma adds the products of each k32 step with reduced precision before they
@@ -393,9 +394,9 @@ class IndexScores:
     @cute.jit
     def mma(self, sK, sQuery, unit, count: int):
         """S = K Q^T of the key tile and ``count`` consecutive query tiles from ``unit``
-        (verify row t, head tile g at t * G + g; contiguous, so one wgmma of N = 64 count
-        covers them, reading the key tile once), waited for: accumulators [ACC * i, + ACC)
-        belong to unit + i."""
+        (verify row t, head tile g at t * G + g; contiguous in shared memory, so one wgmma
+        group of N = 64 * count covers them and reads the key tile once), waited for:
+        accumulators [ACC * i, + ACC) belong to unit + i."""
         # The k-th step's descriptors: the start address field (16-byte units, far below its
         # 14-bit limit) advanced by 32 bytes per step, without rebuilding the descriptor.
         desc_k = ptx.smem_descriptor(sK, 16, 8 * DIM, SWIZZLE_128B)
