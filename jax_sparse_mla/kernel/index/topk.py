@@ -11,7 +11,8 @@ zero bins into the cluster-wide sums, which CTA r of the cluster holds for the r
 the bins (distributed shared memory), and after a cluster barrier every CTA reads the sums (one
 16-byte load per thread) and runs the same threshold search, so all hold the same state. A pass
 stops early once the threshold digit's keys are all taken. Then every CTA counts its slice's
-taken keys (above K*, equal to K*), the CTAs exchange those counts, and each writes, in
+taken keys (above K*, equal to K*: from its own passes' histograms, or by a scan where no pass
+ran), the CTAs exchange those counts, and each writes, in
 position order, every key above K* and the first ``remaining`` keys equal to K* of the row (the
 smaller positions: the tie rule), each at its rank among the taken keys, from block-wide prefix
 counts: the output is the selected positions in ascending order. Slots past the taken ones hold
@@ -55,6 +56,7 @@ from jax_sparse_mla.kernel.index.scores import row_limit
 SIGN = -(2**31)
 BINS_EACH = BINS // TOPK_THREADS  # histogram bins per thread: one 16-byte vector
 assert BINS_EACH == 4
+assert VECTORS * WARPS == 2 * 32  # emit's block scan: two partials per lane of one warp
 
 
 def signed(value: int) -> int:
@@ -212,7 +214,7 @@ class RadixTopk:
                     remaining = remaining - above
                     settled = ptx.where_i32(inside == remaining, 1, 0)
         run_above, run_equal = self.offsets(
-            sCounts, sTotals, keys, lo, hi, held, sStash, prefix, mask, part, tid
+            sCounts, sTotals, sHist, n > top_k, keys, lo, hi, held, sStash, prefix, mask, part, tid
         )
         self.emit(
             sScan, keys, lo, hi, held, sStash, prefix, mask, remaining, run_above, run_equal,
@@ -336,9 +338,11 @@ class RadixTopk:
             # Fewer candidates than remaining: no digit holds the remaining-th; take all.
             self.store_state(sState, 0, 0, remaining)
         cute.arch.sync_threads()
-        higher = Int32(0)
-        for w in cutlass.range_constexpr(WARPS):
-            higher = higher + ptx.where_i32(w > warp, ptx.load_shared_u32(sScan + w * 4), 0)
+        # Lane l (< WARPS) reads warp l's total; the warp sums those of the higher warps.
+        partial = ptx.load_shared_u32(sScan + (lane % WARPS) * 4)
+        higher = cute.arch.warp_redux_sync(
+            ptx.where_i32((lane < WARPS) & (lane > warp), partial, 0), "add"
+        )
         above = higher + suffix - mine  # keys in the bins above this thread's
         for i in cutlass.range_constexpr(BINS_EACH - 1, -1, -1):
             if (above < remaining) & (remaining <= above + counts[i]):
@@ -355,22 +359,53 @@ class RadixTopk:
         ptx.store_shared_u32(sState + 8, inside)
 
     @cute.jit
-    def offsets(self, sCounts, sTotals, keys, lo, hi, held, sStash, prefix, mask, part, tid):
+    def offsets(
+        self,
+        sCounts,
+        sTotals,
+        sHist,
+        selecting,
+        keys,
+        lo,
+        hi,
+        held,
+        sStash,
+        prefix,
+        mask,
+        part,
+        tid,
+    ):
         """(above, equal): how many candidate keys above / equal to the threshold the slices
-        before this CTA's hold (its taken keys' ranks start there). Arrives on the cluster
-        barrier that the kernel's last wait completes."""
+        before this CTA's hold (its taken keys' ranks start there); with ``selecting`` (the
+        passes ran) this CTA's own counts come from its pass histograms, which count exactly
+        the keys ``classify`` would. Arrives on the cluster barrier that the kernel's last
+        wait completes."""
         warp, lane = tid // 32, tid % 32
         above, equal = Int32(0), Int32(0)
-        for start in cutlass.range(lo, hi, STEP, unroll=1):
-            words = self.step_keys(keys, lo, hi, start, held, sStash, tid)
-            for e in cutlass.range_constexpr(ELEMENTS):
-                position = vector_position(start, e // 4, tid) + e % 4
-                kind = self.classify(words[e], position, hi, prefix, mask)
-                above = above + (kind >> 16)
-                equal = equal + (kind & 0xFFFF)
-        for shift in cutlass.range_constexpr(5):
-            above = above + cute.arch.shuffle_sync_bfly(above, offset=1 << shift)
-            equal = equal + cute.arch.shuffle_sync_bfly(equal, offset=1 << shift)
+        if selecting:
+            # From this CTA's own histograms (untouched since their passes): a key is above
+            # K* where its digits match the prefix up to pass d and its digit d is larger;
+            # equal where all the passes' digits match: the last pass's threshold bin.
+            for d in cutlass.range_constexpr(len(DIGITS)):
+                shift, bits = DIGITS[d]
+                if (mask & signed(((1 << bits) - 1) << shift)) != 0:  # pass d ran
+                    digit = (prefix >> shift) & ((1 << bits) - 1)
+                    local = ptx.load_shared_v4(sHist + d * BINS * 4 + tid * BINS_EACH * 4)
+                    last = Int32(0)
+                    for i in cutlass.range_constexpr(BINS_EACH):
+                        above = above + ptx.where_i32(BINS_EACH * tid + i > digit, local[i], 0)
+                        last = last + ptx.where_i32(BINS_EACH * tid + i == digit, local[i], 0)
+                    equal = last
+        else:
+            for start in cutlass.range(lo, hi, STEP, unroll=1):
+                words = self.step_keys(keys, lo, hi, start, held, sStash, tid)
+                for e in cutlass.range_constexpr(ELEMENTS):
+                    position = vector_position(start, e // 4, tid) + e % 4
+                    kind = self.classify(words[e], position, hi, prefix, mask)
+                    above = above + (kind >> 16)
+                    equal = equal + (kind & 0xFFFF)
+        above = cute.arch.warp_redux_sync(above, "add")
+        equal = cute.arch.warp_redux_sync(equal, "add")
         if lane == 0:
             ptx.store_shared_u32(sCounts + warp * 4, above)
             ptx.store_shared_u32(sCounts + (WARPS + warp) * 4, equal)
@@ -390,9 +425,8 @@ class RadixTopk:
                 counts = ptx.map_peer(sTotals, lane)
                 run_above = index_ptx.load_cluster_u32(counts)
                 run_equal = index_ptx.load_cluster_u32(counts + 4)
-            for shift in cutlass.range_constexpr(5):
-                run_above = run_above + cute.arch.shuffle_sync_bfly(run_above, offset=1 << shift)
-                run_equal = run_equal + cute.arch.shuffle_sync_bfly(run_equal, offset=1 << shift)
+            run_above = cute.arch.warp_redux_sync(run_above, "add")
+            run_equal = cute.arch.warp_redux_sync(run_equal, "add")
             cute.arch.cluster_arrive_relaxed()  # this CTA is done reading its peers' counts
         return run_above, run_equal
 
@@ -428,25 +462,31 @@ class RadixTopk:
                 mine.append(count)
                 inclusive.append(running)
             cute.arch.sync_threads()  # one barrier per step: the two parities alternate
-            befores, total = [], Int32(0)
+            # The VECTORS * WARPS partials in (v, warp) order: lane l holds entries 2l, 2l+1;
+            # one warp-wide inclusive scan, then each thread fetches entry v * WARPS + warp.
+            pa = ptx.load_shared_u32(sStep + lane * 8)
+            pb = ptx.load_shared_u32(sStep + lane * 8 + 4)
+            pair = pa + pb
+            scan = pair
+            for shift in cutlass.range_constexpr(5):
+                other = cute.arch.shuffle_sync_up(scan, offset=1 << shift)
+                scan = scan + ptx.where_i32(lane >= (1 << shift), other, 0)
+            total = cute.arch.shuffle_sync(scan, 31)
+            exclusive = ptx.where_i32(warp % 2 == 0, scan - pair, scan - pb)
+            befores = []
             for v in cutlass.range_constexpr(VECTORS):
-                lower, whole = Int32(0), Int32(0)
-                for q in cutlass.range_constexpr(WARPS // 4):
-                    part = ptx.load_shared_v4(sStep + (v * WARPS + 4 * q) * 4)
-                    for i in cutlass.range_constexpr(4):
-                        lower = lower + ptx.where_i32(4 * q + i < warp, part[i], 0)
-                        whole = whole + part[i]
-                befores.append(total + lower + inclusive[v] - mine[v])
-                total = total + whole
+                lower = cute.arch.shuffle_sync(exclusive, v * (WARPS // 2) + warp // 2)
+                befores.append(lower + inclusive[v] - mine[v])
             for v in cutlass.range_constexpr(VECTORS):
                 above = run_above + (befores[v] >> 16)
                 equal = run_equal + (befores[v] & 0xFFFF)
                 for w in cutlass.range_constexpr(4):
                     kind = kinds[4 * v + w]
-                    is_above = kind >= (1 << 16)
-                    is_equal = (kind == 1) & (equal < remaining)
-                    rank = ptx.where_i32(is_above, above + min(equal, remaining), above + equal)
-                    if (is_above | is_equal) & (rank < top_k):
+                    # kind 1 << 16: taken; kind 1: taken while equal < remaining, and then
+                    # min(equal, remaining) == equal: one rank formula for both.
+                    taken = kind > ptx.where_i32(equal < remaining, 0, 1)
+                    rank = above + min(equal, remaining)
+                    if taken & (rank < top_k):
                         ptx.store_global_b32(tokens + Int64(rank) * 4, positions[4 * v + w])
                         ptx.store_global_f32(scores + Int64(rank) * 4, key_score(words[4 * v + w]))
                     above = above + (kind >> 16)
