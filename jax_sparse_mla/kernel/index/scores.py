@@ -54,6 +54,7 @@ LOOKUPS = LOADS + 1  # block-table entries a thread reads per tile: its copy row
 STRIDE = SCORE_WARPGROUPS * TOKENS  # tokens from one of a warpgroup's tiles to its next
 ACC = HEADS // 2  # accumulators per thread (m64n64)
 SWIZZLE_128B = 1
+assert SCORE_THREADS % (8 * PIECES) == 0 and SCORE_THREADS % HEADS == 0  # the prologue's copies
 SIGN = -(2**31)
 
 
@@ -205,15 +206,17 @@ class IndexScores:
         ahead_tile = first + (STAGES - 1) * SCORE_WARPGROUPS
         self.lookup(table, capacity, block_size, whole, walk, ahead_tile, wtid, blocks)
         # The request's query tiles and weights (contiguous in global memory), by all threads.
-        q_base = mQ.toint() + Int64(b) * query_tiles * TILE_BYTES
-        for i in cutlass.range(tid, query_tiles * TILE_PIECES, SCORE_THREADS, unroll=1):
-            tile, piece = i // TILE_PIECES, i % TILE_PIECES
-            dst = sQuery + tile * TILE_BYTES + swizzled(piece // PIECES, piece % PIECES)
-            index_ptx.cp_async_16(dst, q_base + Int64(i) * 16, 16)
-        w_base = mWeights.toint() + Int64(b) * steps * heads * 4
-        for i in cutlass.range(tid, steps * heads, SCORE_THREADS, unroll=1):
-            dst = sWeights + (i - i % HEADS + weight_slot(i % HEADS)) * 4
-            index_ptx.cp_async_4(dst, w_base + Int64(i) * 4, 4)
+        # A thread copies the same piece of every (SCORE_THREADS / PIECES)-th row of the
+        # query tiles (contiguous rows; a multiple of 8 apart: one swizzle phase) and the same
+        # head's weight of every head tile: its addresses only advance, no index math per copy.
+        q_src = mQ.toint() + Int64(b) * query_tiles * TILE_BYTES + tid * 16
+        q_dst = sQuery + swizzled(tid // PIECES, tid % PIECES)
+        for i in cutlass.range(0, query_tiles * TILE_PIECES - tid, SCORE_THREADS, unroll=1):
+            index_ptx.cp_async_16(q_dst + i * 16, q_src + Int64(i) * 16, 16)
+        w_src = mWeights.toint() + Int64(b) * steps * heads * 4 + tid * 4
+        w_dst = sWeights + (tid - tid % HEADS + weight_slot(tid % HEADS)) * 4
+        for i in cutlass.range(0, steps * heads - tid, SCORE_THREADS, unroll=1):
+            index_ptx.cp_async_4(w_dst + i * 4, w_src + Int64(i) * 4, 4)
         longest = row_limit(length, rank, steps - 1, steps, capacity, dcp_size)
         # The CTA's tiles [x * span, + count); this warpgroup's share of them.
         count = max(min(span, (longest + TOKENS - 1) // TOKENS - x * span), 0)
