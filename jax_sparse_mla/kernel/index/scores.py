@@ -11,8 +11,8 @@ the same staged queries). Per key tile, the (verify row t, head tile) units two 
 S = K Q^T by four wgmma m64n128k32 E4M3 (tokens as M, the pair's 128 heads as N, FP32
 accumulators; an odd count's last unit m64n64k32), then per unit the epilogue sum_h w[t, h]
 relu(S) in FP32 (16 heads per thread, then the quad's four lanes), times the token's key
-scale. The result leaves as the score's order key (``order_key``): the top-k
-kernel selects on those 32-bit keys, 0 meaning no candidate.
+scale. The result leaves as the score's order key (``order_key``): the top-k kernel selects on
+those 32-bit keys, 0 meaning no candidate.
 
 Hopper's FP8 wgmma adds the products of each k32 step with reduced precision before they
 reach the FP32 accumulator (as DeepGEMM's indexer does; 4 steps for 128-byte keys): the

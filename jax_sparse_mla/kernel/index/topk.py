@@ -12,12 +12,11 @@ the bins (distributed shared memory), and after a cluster barrier every CTA read
 16-byte load per thread) and runs the same threshold search, so all hold the same state. A pass
 stops early once the threshold digit's keys are all taken. Then every CTA counts its slice's
 taken keys (above K*, equal to K*: from its own passes' histograms, or by a scan where no pass
-ran), the CTAs exchange those counts, and each writes, in
-position order, every key above K* and the first ``remaining`` keys equal to K* of the row (the
-smaller positions: the tie rule), each at its rank among the taken keys, from block-wide prefix
-counts: the output is the selected positions in ascending order. Slots past the taken ones hold
--1 (score -inf): rows with fewer candidates than top_k. Any number of ties is exact: no
-candidate buffer.
+ran), the CTAs exchange those counts, and each writes, in position order, every key above K*
+and the first ``remaining`` keys equal to K* of the row (the smaller positions: the tie rule),
+each at its rank among the taken keys, from block-wide prefix counts: the output is the
+selected positions in ascending order. Slots past the taken ones hold -1 (score -inf): rows
+with fewer candidates than top_k. Any number of ties is exact: no candidate buffer.
 
 Nothing is read before griddepcontrol.wait (PDL: the scores kernel releases it).
 """
