@@ -181,7 +181,8 @@ class RadixTopk:
             held[e] = first[e]
         if hi - lo > STEP:  # the next steps into shared memory, read from L2 once
             for s in cutlass.range_constexpr(STASHED_STEPS):
-                self.stash_step(keys, hi, lo + (s + 1) * STEP, sStash + s * STEP * 4, tid)
+                if lo + (s + 1) * STEP < hi:  # a step past the slice is never read
+                    self.stash_step(keys, hi, lo + (s + 1) * STEP, sStash + s * STEP * 4, tid)
             index_ptx.cp_async_commit()
         # Every slot empty first; the taken keys overwrite theirs after the cluster barriers
         # below (which order these stores before them).
@@ -245,10 +246,9 @@ class RadixTopk:
                 # A warp whose vectors all lie past hi skips them (warp-uniform: the short
                 # slices of large clusters fill only the first vectors).
                 if vector_position(start, v, warp * 32) < hi:
-                    first = vector_position(start, v, tid)
                     for w in cutlass.range_constexpr(4):
                         key = words[4 * v + w]
-                        hit = (first + w < hi) & (key != 0) & ((key & mask) == prefix)
+                        hit = (key != 0) & ((key & mask) == prefix)
                         digit = (key >> shift) & ((1 << bits) - 1)
                         index_ptx.shared_add_if(hit, sHist + digit * 4, 1)
 
@@ -276,25 +276,28 @@ class RadixTopk:
     @cute.jit
     def stash_step(self, keys, hi, start, stash, tid):
         """cp.async of this thread's vectors of the step at ``start`` into ``stash``, vector v
-        at v * TOPK_THREADS + tid (as in memory); zeros for vectors wholly past hi (not
+        at v * TOPK_THREADS + tid (as in memory); zeros for the keys at hi and past it (not
         read)."""
         for v in cutlass.range_constexpr(VECTORS):
             first = vector_position(start, v, tid)
             index_ptx.cp_async_16(
                 stash + (v * TOPK_THREADS + tid) * 16,
                 keys + Int64(first) * 4,
-                ptx.where_i32(first < hi, 16, 0),
+                min(max(hi - first, 0), 4) * 4,
             )
 
     @cute.jit
     def load_step(self, keys, hi, start, tid):
         """This thread's ELEMENTS keys of a step: its VECTORS 16-byte vectors (vector_position;
         all in flight; one wholly past hi is not read: the row's pitch covers a partial
-        one)."""
+        one), with 0 (no candidate) for the keys at hi and past it, so that no pass checks
+        positions."""
         words = []
         for v in cutlass.range_constexpr(VECTORS):
             first = vector_position(start, v, tid)
-            words.extend(index_ptx.load_global_v4_if(first < hi, keys + Int64(first) * 4))
+            vector = index_ptx.load_global_v4_if(first < hi, keys + Int64(first) * 4)
+            room = hi - first
+            words.extend(ptx.where_i32(w < room, vector[w], 0) for w in range(4))
         return words
 
     @cute.jit
@@ -399,8 +402,7 @@ class RadixTopk:
             for start in cutlass.range(lo, hi, STEP, unroll=1):
                 words = self.step_keys(keys, lo, hi, start, held, sStash, tid)
                 for e in cutlass.range_constexpr(ELEMENTS):
-                    position = vector_position(start, e // 4, tid) + e % 4
-                    kind = self.classify(words[e], position, hi, prefix, mask)
+                    kind = self.classify(words[e], prefix, mask)
                     above = above + (kind >> 16)
                     equal = equal + (kind & 0xFFFF)
         above = cute.arch.warp_redux_sync(above, "add")
@@ -436,49 +438,78 @@ class RadixTopk:
     ):  # fmt: skip
         """Writes the slice's taken keys' positions and scores in position order: a key above
         the threshold at rank (above before it) + min(equal before it, remaining), an equal
-        key (of the first ``remaining``) at (above before it) + (equal before it)."""
-        warp, lane = tid // 32, tid % 32
+        key (of the first ``remaining``) at (above before it) + (equal before it). A step
+        wholly inside the slice runs emit_step unguarded; only a slice's last, partial step
+        checks which of its vectors lie past hi (short slices fill only the first ones)."""
         parity = Int32(0)
+        totals = cute.make_rmem_tensor((2,), Int32)  # the keys above / equal before the step
+        totals[0], totals[1] = run_above, run_equal
         for start in cutlass.range(lo, hi, STEP, unroll=1):
             words = self.step_keys(keys, lo, hi, start, held, sStash, tid)
-            positions = [vector_position(start, e // 4, tid) + e % 4 for e in range(ELEMENTS)]
-            kinds = [
-                self.classify(words[e], positions[e], hi, prefix, mask) for e in range(ELEMENTS)
-            ]
-            # Block-wide exclusive prefix of the above / equal counts (16 bits each: a step
-            # holds STEP < 2**15 keys) in position order: vector by vector, and within a
-            # vector over the threads (a warp scan, then the warps' totals in shared memory).
             sStep = sScan + parity * VECTORS * WARPS * 4
-            mine, inclusive = [], []
-            for v in cutlass.range_constexpr(VECTORS):
+            if hi - start >= STEP:
+                self.emit_step(sStep, totals, words, start, hi, prefix, mask, remaining, tokens,
+                               scores, top_k, tid, True)  # fmt: skip
+            else:
+                self.emit_step(sStep, totals, words, start, hi, prefix, mask, remaining, tokens,
+                               scores, top_k, tid, False)  # fmt: skip
+            parity = parity ^ 1
+
+    @cute.jit
+    def emit_step(
+        self, sStep, totals, words, start, hi, prefix, mask, remaining, tokens, scores, top_k,
+        tid, full: cutlass.Constexpr,
+    ):  # fmt: skip
+        """emit's work on the keys ``words`` of the step at ``start``, the counts of taken
+        keys before them in ``totals`` (advanced past them); with ``full`` every vector holds
+        keys before hi, else a vector wholly past hi (CTA-uniform) skips its classify, scan
+        and stores, and counts 0."""
+        warp, lane = tid // 32, tid % 32
+        positions = [vector_position(start, e // 4, tid) + e % 4 for e in range(ELEMENTS)]
+        live = [True] * VECTORS
+        if cutlass.const_expr(not full):
+            live = [vector_position(start, v, 0) < hi for v in range(VECTORS)]
+        kinds = cute.make_rmem_tensor((ELEMENTS,), Int32)
+        mine = cute.make_rmem_tensor((VECTORS,), Int32)
+        inclusive = cute.make_rmem_tensor((VECTORS,), Int32)
+        kinds.fill(0)
+        mine.fill(0)
+        inclusive.fill(0)
+        # Block-wide exclusive prefix of the above / equal counts (16 bits each: a step holds
+        # STEP < 2**15 keys) in position order: vector by vector, and within a vector over the
+        # threads (a warp scan, then the warps' totals in shared memory).
+        for v in cutlass.range_constexpr(VECTORS):
+            if live[v]:
+                for w in cutlass.range_constexpr(4):
+                    e = 4 * v + w
+                    kinds[e] = self.classify(words[e], prefix, mask)
                 count = kinds[4 * v] + kinds[4 * v + 1] + kinds[4 * v + 2] + kinds[4 * v + 3]
                 running = count
                 for shift in cutlass.range_constexpr(5):
                     other = cute.arch.shuffle_sync_up(running, offset=1 << shift)
                     running = running + ptx.where_i32(lane >= (1 << shift), other, 0)
-                if lane == 31:
-                    ptx.store_shared_u32(sStep + (v * WARPS + warp) * 4, running)
-                mine.append(count)
-                inclusive.append(running)
-            cute.arch.sync_threads()  # one barrier per step: the two parities alternate
-            # The VECTORS * WARPS partials in (v, warp) order: lane l holds entries 2l, 2l+1;
-            # one warp-wide inclusive scan, then each thread fetches entry v * WARPS + warp.
-            pa = ptx.load_shared_u32(sStep + lane * 8)
-            pb = ptx.load_shared_u32(sStep + lane * 8 + 4)
-            pair = pa + pb
-            scan = pair
-            for shift in cutlass.range_constexpr(5):
-                other = cute.arch.shuffle_sync_up(scan, offset=1 << shift)
-                scan = scan + ptx.where_i32(lane >= (1 << shift), other, 0)
-            total = cute.arch.shuffle_sync(scan, 31)
-            exclusive = ptx.where_i32(warp % 2 == 0, scan - pair, scan - pb)
-            befores = []
-            for v in cutlass.range_constexpr(VECTORS):
-                lower = cute.arch.shuffle_sync(exclusive, v * (WARPS // 2) + warp // 2)
-                befores.append(lower + inclusive[v] - mine[v])
-            for v in cutlass.range_constexpr(VECTORS):
-                above = run_above + (befores[v] >> 16)
-                equal = run_equal + (befores[v] & 0xFFFF)
+                mine[v] = count
+                inclusive[v] = running
+            if lane == 31:
+                ptx.store_shared_u32(sStep + (v * WARPS + warp) * 4, inclusive[v])
+        cute.arch.sync_threads()  # one barrier per step: the two parities alternate
+        # The VECTORS * WARPS partials in (v, warp) order: lane l holds entries 2l, 2l+1;
+        # one warp-wide inclusive scan, then each thread fetches entry v * WARPS + warp.
+        pa = ptx.load_shared_u32(sStep + lane * 8)
+        pb = ptx.load_shared_u32(sStep + lane * 8 + 4)
+        pair = pa + pb
+        scan = pair
+        for shift in cutlass.range_constexpr(5):
+            other = cute.arch.shuffle_sync_up(scan, offset=1 << shift)
+            scan = scan + ptx.where_i32(lane >= (1 << shift), other, 0)
+        total = cute.arch.shuffle_sync(scan, 31)
+        exclusive = ptx.where_i32(warp % 2 == 0, scan - pair, scan - pb)
+        for v in cutlass.range_constexpr(VECTORS):
+            lower = cute.arch.shuffle_sync(exclusive, v * (WARPS // 2) + warp // 2)
+            if live[v]:
+                before = lower + inclusive[v] - mine[v]
+                above = totals[0] + (before >> 16)
+                equal = totals[1] + (before & 0xFFFF)
                 for w in cutlass.range_constexpr(4):
                     kind = kinds[4 * v + w]
                     # kind 1 << 16: taken; kind 1: taken while equal < remaining, and then
@@ -490,16 +521,15 @@ class RadixTopk:
                         ptx.store_global_f32(scores + Int64(rank) * 4, key_score(words[4 * v + w]))
                     above = above + (kind >> 16)
                     equal = equal + (kind & 0xFFFF)
-            run_above = run_above + (total >> 16)
-            run_equal = run_equal + (total & 0xFFFF)
-            parity = parity ^ 1
+        totals[0] = totals[0] + (total >> 16)
+        totals[1] = totals[1] + (total & 0xFFFF)
 
     @cute.jit
-    def classify(self, key, position, hi, prefix, mask):
-        """1 << 16 for a candidate key (not 0, before hi) above the threshold, 1 for one
-        equal to it under the mask, else 0."""
+    def classify(self, key, prefix, mask):
+        """1 << 16 for a candidate key (not 0: the keys past the slice are 0 in step_keys)
+        above the threshold, 1 for one equal to it under the mask, else 0. Above implies not
+        0 (the masked key exceeds the prefix)."""
         masked = key & mask
-        inside = (position < hi) & (key != 0)
-        above = inside & unsigned_greater(masked, prefix)
-        equal = inside & (masked == prefix)
+        above = unsigned_greater(masked, prefix)
+        equal = (key != 0) & (masked == prefix)
         return ptx.where_i32(above, 1 << 16, ptx.where_i32(equal, 1, 0))
