@@ -235,30 +235,108 @@ class IndexScores:
         ptx.fence_proxy_async_shared()
         cute.arch.sync_threads()
         out = mOrder.toint() + Int64(b) * steps * pitch * 4
-        for i in cutlass.range(mine, unroll=1):
-            index_ptx.cp_async_wait(STAGES - 2)  # tile i landed
-            ptx.fence_proxy_async_shared()  # read by wgmma
-            # The warpgroup's copies seen; its tile i - 1 consumed (its ring is its own).
-            index_ptx.barrier_sync_id(1 + wg, WG_THREADS)
-            ahead = i + STAGES - 1
-            if ahead < mine:
-                stage = ring + ahead % STAGES
-                self.load_tile(
-                    mKeys, mKeyScales, capacity, block_size, num_blocks, whole,
-                    first + ahead * SCORE_WARPGROUPS, blocks, sKeys + stage * TILE_BYTES,
-                    sScales + stage * TOKENS * 4, sLive + stage * TOKENS * 4, wtid,
+        ring_args = (mKeys, mKeyScales, capacity, block_size, num_blocks, whole, table, walk,
+                     blocks, first, mine, ring, sKeys, sScales, sLive, wtid)  # fmt: skip
+        if steps * head_tiles == 1:
+            self.single_unit_tiles(ring_args, sQuery, sWeights, out, pitch)
+        else:
+            for i in cutlass.range(mine, unroll=1):
+                index_ptx.cp_async_wait(STAGES - 2)  # tile i landed
+                ptx.fence_proxy_async_shared()  # read by wgmma
+                # The warpgroup's copies seen; its tile i - 1 consumed (its ring is its own).
+                index_ptx.barrier_sync_id(1 + wg, WG_THREADS)
+                self.load_ahead(ring_args, i + STAGES - 1)
+                stage = ring + i % STAGES
+                self.score_tile(
+                    sKeys + stage * TILE_BYTES, sScales + stage * TOKENS * 4,
+                    sLive + stage * TOKENS * 4, sQuery, sWeights, steps, head_tiles, out,
+                    pitch, (first + i * SCORE_WARPGROUPS) * TOKENS, wtid,
                 )  # fmt: skip
-            index_ptx.cp_async_commit()
-            next_tile = first + (ahead + 1) * SCORE_WARPGROUPS
-            self.lookup(table, capacity, block_size, whole, walk, next_tile, wtid, blocks)
-            stage = ring + i % STAGES
-            self.score_tile(
-                sKeys + stage * TILE_BYTES, sScales + stage * TOKENS * 4,
-                sLive + stage * TOKENS * 4, sQuery, sWeights, steps, head_tiles, out,
-                pitch, (first + i * SCORE_WARPGROUPS) * TOKENS, wtid,
-            )  # fmt: skip
         index_ptx.cp_async_wait(0)
         cute.arch.griddepcontrol_launch_dependents()
+
+    @cute.jit
+    def load_ahead(self, ring_args, ahead):
+        """Starts the copies of the warpgroup's tile ``ahead`` (if it has one) into its ring
+        slot, closes the cp.async group (one per call, empty or not) and reads the block-table
+        entries of the tile after it."""
+        (mKeys, mKeyScales, capacity, block_size, num_blocks, whole, table, walk, blocks, first,
+         mine, ring, sKeys, sScales, sLive, wtid) = ring_args  # fmt: skip
+        if ahead < mine:
+            stage = ring + ahead % STAGES
+            self.load_tile(
+                mKeys, mKeyScales, capacity, block_size, num_blocks, whole,
+                first + ahead * SCORE_WARPGROUPS, blocks, sKeys + stage * TILE_BYTES,
+                sScales + stage * TOKENS * 4, sLive + stage * TOKENS * 4, wtid,
+            )  # fmt: skip
+        index_ptx.cp_async_commit()
+        next_tile = first + (ahead + 1) * SCORE_WARPGROUPS
+        self.lookup(table, capacity, block_size, whole, walk, next_tile, wtid, blocks)
+
+    @cute.jit
+    def single_unit_tiles(self, ring_args, sQuery, sWeights, out, pitch):
+        """The warpgroup's tiles when the request has one unit (T = 1, up to 64 heads), each
+        tile's MMAs issued before the previous tile's epilogue, which they overlap (the units
+        of one tile cannot: they share the tile's one wgmma group). Tiles alternate between
+        two accumulator sets, two per loop iteration, so that no set is live across its own
+        next MMA (a copy of in-flight accumulators would make ptxas serialize every wgmma of
+        the kernel). Tile i + 1 must have landed one step earlier than in the general loop;
+        the ring's copies still run STAGES - 1 tiles ahead of the tile being finished."""
+        (_, _, _, _, _, _, _, _, _, first, mine, ring, sKeys, sScales, sLive, wtid) = ring_args
+        finish = (sScales, sLive, sWeights, out, pitch, first, ring, wtid)
+        if mine > 0:
+            ptx.wgmma_fence()
+            even = self.mma(sKeys + ring * TILE_BYTES, sQuery, 0, 1)  # tile 0: seen
+            for j in cutlass.range((mine - 1) // 2, unroll=1):
+                odd = self.next_tile_mma(ring_args, sQuery, 2 * j)
+                self.finish_tile(ptx.pin_f32(even), 2 * j, finish)
+                even = self.next_tile_mma(ring_args, sQuery, 2 * j + 1)
+                self.finish_tile(ptx.pin_f32(odd), 2 * j + 1, finish)
+            last = mine - 1
+            if (mine - 1) % 2 == 1:
+                odd = self.next_tile_mma(ring_args, sQuery, last - 1)
+                self.finish_tile(ptx.pin_f32(even), last - 1, finish)
+                ptx.wgmma_wait(0)
+                self.finish_tile(ptx.pin_f32(odd), last, finish)
+            else:
+                ptx.wgmma_wait(0)
+                self.finish_tile(ptx.pin_f32(even), last, finish)
+
+    @cute.jit
+    def next_tile_mma(self, ring_args, sQuery, i):
+        """With tile i's MMAs in flight: waits until tile i + 1 landed, moves the ring on,
+        issues tile i + 1's MMAs and waits for tile i's (returns tile i + 1's accumulators,
+        in flight)."""
+        (_, _, _, _, _, _, _, _, _, _, _, ring, sKeys, _, _, _) = ring_args
+        wg = ring // STAGES
+        index_ptx.cp_async_wait(1)  # tile i + 1 landed (groups: tiles .. i + 2)
+        ptx.fence_proxy_async_shared()  # read by wgmma
+        # Every thread's copies of tile i + 1 seen; tile i - 1 finished (its MMAs waited for,
+        # its scales read), so its slot takes tile i + 3.
+        index_ptx.barrier_sync_id(1 + wg, WG_THREADS)
+        self.load_ahead(ring_args, i + STAGES - 1)
+        ptx.wgmma_fence()
+        s = self.mma(sKeys + (ring + (i + 1) % STAGES) * TILE_BYTES, sQuery, 0, 1)
+        ptx.wgmma_wait(1)  # tile i's MMAs done; tile i + 1's in flight
+        return s
+
+    @cute.jit
+    def finish_tile(self, s, i, finish):
+        """The epilogue of a request's one unit on the warpgroup's tile i: its tokens' order
+        keys."""
+        sScales, sLive, sWeights, out, pitch, first, ring, tid = finish
+        stage = ring + i % STAGES
+        sS, sL = sScales + stage * TOKENS * 4, sLive + stage * TOKENS * 4
+        lane = tid % 32
+        row = 16 * (tid // 32) + lane // 4 + 8 * (lane % 2)
+        token = (ptx.load_shared_f32(sS + row * 4), ptx.load_shared_u32(sL + row * 4))
+        totals = cute.make_rmem_tensor((2,), Float32)
+        totals.fill(0.0)
+        destination = cute.make_rmem_tensor((1,), Int64)
+        tile = first + i * SCORE_WARPGROUPS
+        destination[0] = out + Int64(tile * TOKENS + row) * 4
+        stores = (destination, Int64(pitch) * 4)
+        self.epilogue(s, totals, token, sWeights, 1, stores, 0, 0, tid)
 
     @cute.jit
     def lookup(self, table, capacity, block_size, whole, walk, tile, tid, blocks):
@@ -369,37 +447,44 @@ class IndexScores:
         # r < 2: token r of its two), read once for all verify rows.
         lane = tid % 32
         row = 16 * (tid // 32) + lane // 4 + 8 * (lane % 2)
-        token = (row, ptx.load_shared_f32(sS + row * 4), ptx.load_shared_u32(sL + row * 4))
+        token = (ptx.load_shared_f32(sS + row * 4), ptx.load_shared_u32(sL + row * 4))
         totals = cute.make_rmem_tensor((2,), Float32)
         totals.fill(0.0)
-        t, g = Int32(0), Int32(0)  # the next unit's verify row and head tile
+        # Where the token's key of the next verify row goes: advanced by a row of keys after
+        # each row's last head tile (the units go row by row).
+        destination = cute.make_rmem_tensor((1,), Int64)
+        destination[0] = out + Int64(position + row) * 4
+        row_bytes = Int64(pitch) * 4
+        stores = (destination, row_bytes)
+        g = Int32(0)  # the next unit's head tile
         for unit in cutlass.range(0, units - units % 2, 2, unroll=1):
-            t1, g1 = self.next_unit(t, g, head_tiles)
+            g1 = self.next_tile(g, head_tiles)
             ptx.wgmma_fence()
-            pair = ptx.pin_f32(self.mma(sK, sQuery, unit, 2))
-            self.epilogue(pair[:ACC], totals, token, sWeights, head_tiles, out, pitch,
-                          position, t, g, tid)  # fmt: skip
-            self.epilogue(pair[ACC:], totals, token, sWeights, head_tiles, out, pitch,
-                          position, t1, g1, tid)  # fmt: skip
-            t, g = self.next_unit(t1, g1, head_tiles)
+            pair = self.mma(sK, sQuery, unit, 2)
+            ptx.wgmma_wait(0)
+            pair = ptx.pin_f32(pair)
+            self.epilogue(pair[:ACC], totals, token, sWeights, head_tiles, stores, unit, g, tid)
+            self.epilogue(pair[ACC:], totals, token, sWeights, head_tiles, stores, unit + 1, g1,
+                          tid)  # fmt: skip
+            g = self.next_tile(g1, head_tiles)
         if units % 2 == 1:
             ptx.wgmma_fence()
-            s = ptx.pin_f32(self.mma(sK, sQuery, units - 1, 1))
-            self.epilogue(s, totals, token, sWeights, head_tiles, out, pitch, position, t, g,
-                          tid)  # fmt: skip
+            s = self.mma(sK, sQuery, units - 1, 1)
+            ptx.wgmma_wait(0)
+            s = ptx.pin_f32(s)
+            self.epilogue(s, totals, token, sWeights, head_tiles, stores, units - 1, g, tid)
 
     @cute.jit
-    def next_unit(self, t, g, head_tiles):
-        """(verify row, head tile) of the unit after (t, g)."""
-        last = g == head_tiles - 1
-        return ptx.where_i32(last, t + 1, t), ptx.where_i32(last, 0, g + 1)
+    def next_tile(self, g, head_tiles):
+        """The head tile of the unit after one of head tile g."""
+        return ptx.where_i32(g == head_tiles - 1, 0, g + 1)
 
     @cute.jit
     def mma(self, sK, sQuery, unit, count: int):
         """S = K Q^T of the key tile and ``count`` consecutive query tiles from ``unit``
         (verify row t, head tile g at t * G + g; contiguous in shared memory, so one wgmma
-        group of N = 64 * count covers them and reads the key tile once), waited for:
-        accumulators [ACC * i, + ACC) belong to unit + i."""
+        group of N = 64 * count covers them and reads the key tile once), committed as one
+        wgmma group, not waited for: accumulators [ACC * i, + ACC) belong to unit + i."""
         # The k-th step's descriptors: the start address field (16-byte units, far below its
         # 14-bit limit) advanced by 32 bytes per step, without rebuilding the descriptor.
         desc_k = ptx.smem_descriptor(sK, 16, 8 * DIM, SWIZZLE_128B)
@@ -408,20 +493,18 @@ class IndexScores:
         for k in cutlass.range_constexpr(K_STEPS):
             s = index_ptx.wgmma_e4m3_ss(s, desc_k + 2 * k, desc_q + 2 * k, n=ACC * count)
         ptx.wgmma_commit()
-        ptx.wgmma_wait(0)
         return s
 
     @cute.jit
-    def epilogue(
-        self, s, totals, token, sWeights, head_tiles, out, pitch, position, t, g, tid
-    ):  # fmt: skip
-        """Adds sum_h w[t, h] relu(S) of head tile g of verify row t to ``totals`` (this
-        thread's two tokens); after the row's last head tile, the order key of ``token`` (its
-        tile row, key scale and live flag) leaves."""
+    def epilogue(self, s, totals, token, sWeights, head_tiles, stores, unit, g, tid):
+        """Adds sum_h w[t, h] relu(S) of ``unit`` (verify row t, head tile g) to ``totals``
+        (this thread's two tokens); after the row's last head tile, the order key of ``token``
+        (its key scale and live flag) leaves for ``stores``' destination, which moves on to
+        the next row."""
         quad = tid % 4
         # Value v: token 16 warp + lane / 4 + 8 ((v / 2) % 2), head 8 (v / 4) + 2 quad + v % 2
         # of this head tile; the weights of heads 8 j + 2 quad (+ 1) at weight_slot's places.
-        w_row = sWeights + (t * head_tiles + g) * HEADS * 4
+        w_row = sWeights + unit * HEADS * 4
         for k in cutlass.range_constexpr(ACC // 8):
             weights = ptx.load_shared_v4_f32(w_row + (4 * k + quad) * 16)
             for half in cutlass.range_constexpr(2):
@@ -440,8 +523,10 @@ class IndexScores:
                 reduced.append(total)
             # Lane quad r < 2 stores token r's key: one store path for both (a branch per
             # token diverged, every warp running both).
+            destination, row_bytes = stores
             if quad < 2:
-                row, scale, live = token
+                scale, live = token
                 key = order_key(scale * ptx.where(quad == 0, reduced[0], reduced[1]), live)
-                ptx.store_global_b32(out + (Int64(t) * pitch + position + row) * 4, key)
+                ptx.store_global_b32(destination[0], key)
+            destination[0] = destination[0] + row_bytes
             totals.fill(0.0)
