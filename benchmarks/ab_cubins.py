@@ -1,4 +1,4 @@
-"""A/B of sparse decode cubins on one GPU: each variant launched back to back, CUDA events.
+"""A/B of sparse decode cubins on one GPU: each variant launched back to back, CUDA graph replay.
 
     python benchmarks/ab_cubins.py DIR [DIR ...] [--shape B,H,KEYS ...] [--launches 500]
 
@@ -8,9 +8,11 @@ with the DSL, e.g. in a git worktree: ``python -m jax_sparse_mla.aot --out DIR``
 
 Method: one process, the same inputs for every variant (latency-h96-like: N = 131072 cache
 rows, K = 2048 slots, KEYS valid distinct rows per query row), launched through the CUDA
-driver (cuda.bindings) with the cluster dims but without PDL, so launches serialize. CUDA
-events around ``--launches`` launches give the time per launch (launch gaps included, the
-same for all variants). After one untimed round, the variants are interleaved over
+driver (cuda.bindings) with the cluster dims but without PDL, so launches serialize. The
+``--launches`` launches are captured once into a CUDA graph per variant and shape; CUDA events
+around a replay of that graph give the time per launch (the graph's launch gaps included, the
+same for all variants; launched one by one from Python, small kernels measured the host's
+~18-30 us per launch instead). After one untimed round, the variants are interleaved over
 ``--repeats`` rounds; the median is reported with the [min, max] spread. Meant for
 comparing kernel variants with each other, not for absolute latency
 (benchmarks/bench_decode.py measures that through JAX). Each variant's outputs of one more
@@ -63,23 +65,38 @@ def inputs(batch: int, heads: int, keys: int) -> list[Buffer]:
     ]
 
 
-def time_launches(
-    context: Context, kernel: CubinKernel, launch_args: tuple, launches: int
-) -> float:
-    """Microseconds per launch over ``launches`` back-to-back launches (no PDL)."""
+class GraphOfLaunches:
+    """``launches`` back-to-back launches of one kernel (no PDL), captured into a CUDA graph
+    on the context's stream: replaying it times the kernels, not Python's launch calls."""
 
-    def launch():
-        kernel.launch(context.stream, *launch_args, pdl=False)
+    def __init__(self, context: Context, kernel: CubinKernel, launch_args: tuple, launches: int):
+        self.context, self.launches = context, launches
+        stream = context.stream
+        kernel.launch(stream, *launch_args, pdl=False)  # loaded before the capture
+        context.synchronize()
+        mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
+        check(cu.cuStreamBeginCapture(stream, mode))
+        for _ in range(launches):
+            kernel.launch(stream, *launch_args, pdl=False)
+        self.graph = check(cu.cuStreamEndCapture(stream))
+        self.executable = check(cu.cuGraphInstantiate(self.graph, 0))
 
-    for _ in range(10):
-        launch()
-    start, end = check(cu.cuEventCreate(0)), check(cu.cuEventCreate(0))
-    check(cu.cuEventRecord(start, context.stream))
-    for _ in range(launches):
-        launch()
-    check(cu.cuEventRecord(end, context.stream))
-    check(cu.cuEventSynchronize(end))
-    return check(cu.cuEventElapsedTime(start, end)) * 1e3 / launches
+    def time(self) -> float:
+        """Microseconds per launch over one replay of the graph."""
+        stream = self.context.stream
+        start, end = check(cu.cuEventCreate(0)), check(cu.cuEventCreate(0))
+        check(cu.cuEventRecord(start, stream))
+        check(cu.cuGraphLaunch(self.executable, stream))
+        check(cu.cuEventRecord(end, stream))
+        check(cu.cuEventSynchronize(end))
+        elapsed = check(cu.cuEventElapsedTime(start, end))
+        check(cu.cuEventDestroy(start))
+        check(cu.cuEventDestroy(end))
+        return elapsed * 1e3 / self.launches
+
+    def free(self) -> None:
+        check(cu.cuGraphExecDestroy(self.executable))
+        check(cu.cuGraphDestroy(self.graph))
 
 
 def run_once(context: Context, kernel: CubinKernel, buffers: list[Buffer], launch_args):
@@ -121,15 +138,21 @@ def main() -> None:
         buffers = inputs(batch, heads, keys)
         pointers = [b.address for b in buffers]
         sizes = (CACHE_ROWS, WIDTH, heads, 576)
+        launch_args = (pointers, sizes, batch)
+        graphs = {
+            name: GraphOfLaunches(context, kernel, launch_args, args.launches)
+            for name, kernel in variants.items()
+        }
         times = {name: [] for name in variants}
-        for kernel in variants.values():  # untimed: clocks ramp up, modules load
-            time_launches(context, kernel, (pointers, sizes, batch), args.launches)
+        for graph in graphs.values():  # untimed: clocks ramp up, modules load
+            graph.time()
         for _ in range(args.repeats):
-            for name, kernel in variants.items():
-                launch_args = (pointers, sizes, batch)
-                times[name].append(time_launches(context, kernel, launch_args, args.launches))
+            for name, graph in graphs.items():
+                times[name].append(graph.time())
+        for graph in graphs.values():
+            graph.free()
         outputs = {
-            name: run_once(context, kernel, buffers, (pointers, sizes, batch))
+            name: run_once(context, kernel, buffers, launch_args)
             for name, kernel in variants.items()
         }
         first = next(iter(outputs.values()))
