@@ -326,16 +326,10 @@ class IndexScores:
         keys."""
         sScales, sLive, sWeights, out, pitch, first, ring, tid = finish
         stage = ring + i % STAGES
-        sS, sL = sScales + stage * TOKENS * 4, sLive + stage * TOKENS * 4
-        lane = tid % 32
-        row = 16 * (tid // 32) + lane // 4 + 8 * (lane % 2)
-        token = (ptx.load_shared_f32(sS + row * 4), ptx.load_shared_u32(sL + row * 4))
-        totals = cute.make_rmem_tensor((2,), Float32)
-        totals.fill(0.0)
-        destination = cute.make_rmem_tensor((1,), Int64)
-        tile = first + i * SCORE_WARPGROUPS
-        destination[0] = out + Int64(tile * TOKENS + row) * 4
-        stores = (destination, Int64(pitch) * 4)
+        position = (first + i * SCORE_WARPGROUPS) * TOKENS
+        token, totals, stores = self.epilogue_state(
+            sScales + stage * TOKENS * 4, sLive + stage * TOKENS * 4, out, pitch, position, tid
+        )
         self.epilogue(s, totals, token, sWeights, 1, stores, 0, 0, tid)
 
     @cute.jit
@@ -443,19 +437,7 @@ class IndexScores:
         heads: the only one) goes alone. The CTA's other warpgroup and the SM's other CTA
         overlap a pair's MMAs with their epilogues."""
         units = steps * head_tiles
-        # The key scale and live flag of the token whose keys this thread stores (lane quad
-        # r < 2: token r of its two), read once for all verify rows.
-        lane = tid % 32
-        row = 16 * (tid // 32) + lane // 4 + 8 * (lane % 2)
-        token = (ptx.load_shared_f32(sS + row * 4), ptx.load_shared_u32(sL + row * 4))
-        totals = cute.make_rmem_tensor((2,), Float32)
-        totals.fill(0.0)
-        # Where the token's key of the next verify row goes: advanced by a row of keys after
-        # each row's last head tile (the units go row by row).
-        destination = cute.make_rmem_tensor((1,), Int64)
-        destination[0] = out + Int64(position + row) * 4
-        row_bytes = Int64(pitch) * 4
-        stores = (destination, row_bytes)
+        token, totals, stores = self.epilogue_state(sS, sL, out, pitch, position, tid)
         g = Int32(0)  # the next unit's head tile
         for unit in cutlass.range(0, units - units % 2, 2, unroll=1):
             g1 = self.next_tile(g, head_tiles)
@@ -473,6 +455,23 @@ class IndexScores:
             ptx.wgmma_wait(0)
             s = ptx.pin_f32(s)
             self.epilogue(s, totals, token, sWeights, head_tiles, stores, units - 1, g, tid)
+
+    @cute.jit
+    def epilogue_state(self, sS, sL, out, pitch, position, tid):
+        """What ``epilogue`` carries over a key tile's units (tokens ``position`` ..): the key
+        scale and live flag of the token whose keys this thread stores (lane quad r < 2:
+        token r of its two), read once for all verify rows; its two tokens' sums, zero; and
+        where the token's key of the next verify row goes, with the row pitch in bytes (the
+        destination moves on a row after each row's last head tile: the units go row by
+        row)."""
+        lane = tid % 32
+        row = 16 * (tid // 32) + lane // 4 + 8 * (lane % 2)
+        token = (ptx.load_shared_f32(sS + row * 4), ptx.load_shared_u32(sL + row * 4))
+        totals = cute.make_rmem_tensor((2,), Float32)
+        totals.fill(0.0)
+        destination = cute.make_rmem_tensor((1,), Int64)
+        destination[0] = out + Int64(position + row) * 4
+        return token, totals, (destination, Int64(pitch) * 4)
 
     @cute.jit
     def next_tile(self, g, head_tiles):
