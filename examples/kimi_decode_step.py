@@ -386,11 +386,17 @@ WEIGHT_SPECS = {
 }
 
 
+def spec_parts(spec: str) -> tuple[str, str, str]:
+    """(x's axis letters, the weight's, the output's) of an einsum spec "x,w->out"."""
+    lhs, rest = spec.split(",")
+    rhs, out = rest.split("->")
+    return lhs, rhs, out
+
+
 def fp8_axes(spec: str) -> tuple[str, str]:
     """(the FP8 weight's axis letters, those of its scales) for a weight used with ``spec``:
     batch axes (in x and the output), output axes, then contracted axes."""
-    lhs, rest = spec.split(",")
-    rhs, out = rest.split("->")
+    lhs, rhs, out = spec_parts(spec)
     batch = [c for c in rhs if c in lhs and c in out]
     output = [c for c in rhs if c not in lhs]
     contracted = [c for c in rhs if c in lhs and c not in out]
@@ -399,7 +405,7 @@ def fp8_axes(spec: str) -> tuple[str, str]:
 
 def quantize_weight(w: jax.Array, spec: str) -> Fp8Weight:
     """bf16 weight (the axes of ``spec``'s right side) -> Fp8Weight."""
-    rhs = spec.split(",")[1].split("->")[0]
+    _, rhs, _ = spec_parts(spec)
     letters, scale_letters = fp8_axes(spec)
     w = jnp.einsum(f"{rhs}->{letters}", w.astype(jnp.float32))
     contracted = tuple(range(len(scale_letters), len(letters)))
@@ -411,7 +417,7 @@ def dequantize(w: jax.Array | Fp8Weight, spec: str) -> jax.Array:
     """The float32 weight in ``spec``'s right-side axes, whichever its storage."""
     if not isinstance(w, Fp8Weight):
         return w.astype(jnp.float32)
-    rhs = spec.split(",")[1].split("->")[0]
+    _, rhs, _ = spec_parts(spec)
     letters, scale_letters = fp8_axes(spec)
     product = f"{letters},{scale_letters}->{rhs}"
     return jnp.einsum(product, w.values.astype(jnp.float32), w.scales)
@@ -422,7 +428,7 @@ def weight_shape(w: dict, name: str) -> tuple[int, ...]:
     weight = w[name]
     if not isinstance(weight, Fp8Weight):
         return weight.shape
-    rhs = WEIGHT_SPECS[name].split(",")[1].split("->")[0]
+    _, rhs, _ = spec_parts(WEIGHT_SPECS[name])
     letters, _ = fp8_axes(WEIGHT_SPECS[name])
     return tuple(weight.values.shape[letters.index(c)] for c in rhs)
 
@@ -438,7 +444,7 @@ def head_specs(weight: jax.Array | Fp8Weight, name: str) -> Any:
 
     if isinstance(weight, Fp8Weight):
         return Fp8Weight(*map(over_heads, fp8_axes(spec)))
-    return over_heads(spec.split(",")[1].split("->")[0])
+    return over_heads(spec_parts(spec)[1])
 
 
 def along(values: jax.Array, letters: str, out: str) -> jax.Array:
@@ -455,8 +461,7 @@ def fp8_dot(x: jax.Array, w: Fp8Weight, spec: str) -> jax.Array:
     applied to the f32 result. On the H200 XLA fuses the widening into its Triton GEMM, which
     then reads one byte per weight; at M = 5 rows that beat FP8 x FP8 GEMMs (w8a8), whose
     activations' quantization kernels cost more than the FP8 MMAs saved (BENCHMARKS.md)."""
-    lhs, rest = spec.split(",")
-    out = rest.split("->")[1]
+    lhs, _, out = spec_parts(spec)
     letters, scale_letters = fp8_axes(spec)
     y = dot(x, w.values.astype(jnp.bfloat16), f"{lhs},{letters}->{out}")
     return y * along(w.scales, scale_letters, out)
