@@ -24,6 +24,8 @@ every CTA has written its keys.
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
@@ -72,6 +74,31 @@ def swizzled(row, piece):
     """Offset of 16-byte piece ``piece`` of row ``row`` in a K-major tile of 128-byte rows
     with wgmma's 128-byte swizzle (8-row atoms, pieces XOR-ed by the row)."""
     return row * DIM + ((piece ^ (row % 8)) * 16)
+
+
+class WarpgroupRing(NamedTuple):
+    """A warpgroup's key-tile ring and what filling it needs: the cache (keys, key scales,
+    its sizes, the block table and its walk state, ``blocks`` the read-ahead block-table
+    entries), the warpgroup's tiles (``first``, then every SCORE_WARPGROUPS-th, ``mine`` of
+    them), its slots from ``ring`` and their shared-memory regions, and the thread's index in
+    the warpgroup."""
+
+    keys: Any
+    key_scales: Any
+    capacity: Any
+    block_size: Any
+    num_blocks: Any
+    whole: Any
+    table: Any
+    walk: Any
+    blocks: Any
+    first: Any
+    mine: Any
+    ring: Any
+    sKeys: Any
+    sScales: Any
+    sLive: Any
+    tid: Any
 
 
 @cute.jit
@@ -235,17 +262,19 @@ class IndexScores:
         ptx.fence_proxy_async_shared()
         cute.arch.sync_threads()
         out = mOrder.toint() + Int64(b) * steps * pitch * 4
-        ring_args = (mKeys, mKeyScales, capacity, block_size, num_blocks, whole, table, walk,
-                     blocks, first, mine, ring, sKeys, sScales, sLive, wtid)  # fmt: skip
+        tiles = WarpgroupRing(
+            mKeys, mKeyScales, capacity, block_size, num_blocks, whole, table, walk, blocks,
+            first, mine, ring, sKeys, sScales, sLive, wtid,
+        )  # fmt: skip
         if steps * head_tiles == 1:
-            self.single_unit_tiles(ring_args, sQuery, sWeights, out, pitch)
+            self.single_unit_tiles(tiles, sQuery, sWeights, out, pitch)
         else:
             for i in cutlass.range(mine, unroll=1):
                 index_ptx.cp_async_wait(STAGES - 2)  # tile i landed
                 ptx.fence_proxy_async_shared()  # read by wgmma
                 # The warpgroup's copies seen; its tile i - 1 consumed (its ring is its own).
                 index_ptx.barrier_sync_id(1 + wg, WG_THREADS)
-                self.load_ahead(ring_args, i + STAGES - 1)
+                self.load_ahead(tiles, i + STAGES - 1)
                 stage = ring + i % STAGES
                 self.score_tile(
                     sKeys + stage * TILE_BYTES, sScales + stage * TOKENS * 4,
@@ -256,25 +285,24 @@ class IndexScores:
         cute.arch.griddepcontrol_launch_dependents()
 
     @cute.jit
-    def load_ahead(self, ring_args, ahead):
+    def load_ahead(self, r: WarpgroupRing, ahead):
         """Starts the copies of the warpgroup's tile ``ahead`` (if it has one) into its ring
         slot, closes the cp.async group (one per call, empty or not) and reads the block-table
         entries of the tile after it."""
-        (mKeys, mKeyScales, capacity, block_size, num_blocks, whole, table, walk, blocks, first,
-         mine, ring, sKeys, sScales, sLive, wtid) = ring_args  # fmt: skip
-        if ahead < mine:
-            stage = ring + ahead % STAGES
+        if ahead < r.mine:
+            stage = r.ring + ahead % STAGES
             self.load_tile(
-                mKeys, mKeyScales, capacity, block_size, num_blocks, whole,
-                first + ahead * SCORE_WARPGROUPS, blocks, sKeys + stage * TILE_BYTES,
-                sScales + stage * TOKENS * 4, sLive + stage * TOKENS * 4, wtid,
+                r.keys, r.key_scales, r.capacity, r.block_size, r.num_blocks, r.whole,
+                r.first + ahead * SCORE_WARPGROUPS, r.blocks, r.sKeys + stage * TILE_BYTES,
+                r.sScales + stage * TOKENS * 4, r.sLive + stage * TOKENS * 4, r.tid,
             )  # fmt: skip
         index_ptx.cp_async_commit()
-        next_tile = first + (ahead + 1) * SCORE_WARPGROUPS
-        self.lookup(table, capacity, block_size, whole, walk, next_tile, wtid, blocks)
+        next_tile = r.first + (ahead + 1) * SCORE_WARPGROUPS
+        self.lookup(r.table, r.capacity, r.block_size, r.whole, r.walk, next_tile, r.tid,
+                    r.blocks)  # fmt: skip
 
     @cute.jit
-    def single_unit_tiles(self, ring_args, sQuery, sWeights, out, pitch):
+    def single_unit_tiles(self, r: WarpgroupRing, sQuery, sWeights, out, pitch):
         """The warpgroup's tiles when the request has one unit (T = 1, up to 64 heads), each
         tile's MMAs issued before the previous tile's epilogue, which they overlap (the units
         of one tile cannot: they share the tile's one wgmma group). Tiles alternate between
@@ -282,55 +310,53 @@ class IndexScores:
         next MMA (a copy of in-flight accumulators would make ptxas serialize every wgmma of
         the kernel). Tile i + 1 must have landed one step earlier than in the general loop;
         the ring's copies still run STAGES - 1 tiles ahead of the tile being finished."""
-        (_, _, _, _, _, _, _, _, _, first, mine, ring, sKeys, sScales, sLive, wtid) = ring_args
-        finish = (sScales, sLive, sWeights, out, pitch, first, ring, wtid)
-        if mine > 0:
+        finish = (r, sWeights, out, pitch)
+        if r.mine > 0:
             ptx.wgmma_fence()
-            even = self.mma(sKeys + ring * TILE_BYTES, sQuery, 0, 1)  # tile 0: seen
-            for j in cutlass.range((mine - 1) // 2, unroll=1):
-                odd = self.next_tile_mma(ring_args, sQuery, 2 * j)
-                self.finish_tile(ptx.pin_f32(even), 2 * j, finish)
-                even = self.next_tile_mma(ring_args, sQuery, 2 * j + 1)
-                self.finish_tile(ptx.pin_f32(odd), 2 * j + 1, finish)
-            last = mine - 1
-            if (mine - 1) % 2 == 1:
-                odd = self.next_tile_mma(ring_args, sQuery, last - 1)
-                self.finish_tile(ptx.pin_f32(even), last - 1, finish)
+            even = self.mma(r.sKeys + r.ring * TILE_BYTES, sQuery, 0, 1)  # tile 0: seen
+            for j in cutlass.range((r.mine - 1) // 2, unroll=1):
+                odd = self.next_tile_mma(r, sQuery, 2 * j)
+                self.finish_tile(ptx.pin_f32(even), 2 * j, *finish)
+                even = self.next_tile_mma(r, sQuery, 2 * j + 1)
+                self.finish_tile(ptx.pin_f32(odd), 2 * j + 1, *finish)
+            last = r.mine - 1
+            if (r.mine - 1) % 2 == 1:
+                odd = self.next_tile_mma(r, sQuery, last - 1)
+                self.finish_tile(ptx.pin_f32(even), last - 1, *finish)
                 ptx.wgmma_wait(0)
-                self.finish_tile(ptx.pin_f32(odd), last, finish)
+                self.finish_tile(ptx.pin_f32(odd), last, *finish)
             else:
                 ptx.wgmma_wait(0)
-                self.finish_tile(ptx.pin_f32(even), last, finish)
+                self.finish_tile(ptx.pin_f32(even), last, *finish)
 
     @cute.jit
-    def next_tile_mma(self, ring_args, sQuery, i):
+    def next_tile_mma(self, r: WarpgroupRing, sQuery, i):
         """With tile i's MMAs in flight: waits until tile i + 1 landed, moves the ring on,
         issues tile i + 1's MMAs and waits for tile i's (returns tile i + 1's accumulators,
         in flight)."""
-        (_, _, _, _, _, _, _, _, _, _, _, ring, sKeys, _, _, _) = ring_args
-        wg = ring // STAGES
+        wg = r.ring // STAGES
         index_ptx.cp_async_wait(1)  # tile i + 1 landed (groups: tiles .. i + 2)
         ptx.fence_proxy_async_shared()  # read by wgmma
         # Every thread's copies of tile i + 1 seen; tile i - 1 finished (its MMAs waited for,
         # its scales read), so its slot takes tile i + 3.
         index_ptx.barrier_sync_id(1 + wg, WG_THREADS)
-        self.load_ahead(ring_args, i + STAGES - 1)
+        self.load_ahead(r, i + STAGES - 1)
         ptx.wgmma_fence()
-        s = self.mma(sKeys + (ring + (i + 1) % STAGES) * TILE_BYTES, sQuery, 0, 1)
+        s = self.mma(r.sKeys + (r.ring + (i + 1) % STAGES) * TILE_BYTES, sQuery, 0, 1)
         ptx.wgmma_wait(1)  # tile i's MMAs done; tile i + 1's in flight
         return s
 
     @cute.jit
-    def finish_tile(self, s, i, finish):
+    def finish_tile(self, s, i, r: WarpgroupRing, sWeights, out, pitch):
         """The epilogue of a request's one unit on the warpgroup's tile i: its tokens' order
         keys."""
-        sScales, sLive, sWeights, out, pitch, first, ring, tid = finish
-        stage = ring + i % STAGES
-        position = (first + i * SCORE_WARPGROUPS) * TOKENS
+        stage = r.ring + i % STAGES
+        position = (r.first + i * SCORE_WARPGROUPS) * TOKENS
         token, totals, stores = self.epilogue_state(
-            sScales + stage * TOKENS * 4, sLive + stage * TOKENS * 4, out, pitch, position, tid
-        )
-        self.epilogue(s, totals, token, sWeights, 1, stores, 0, 0, tid)
+            r.sScales + stage * TOKENS * 4, r.sLive + stage * TOKENS * 4, out, pitch, position,
+            r.tid,
+        )  # fmt: skip
+        self.epilogue(s, totals, token, sWeights, 1, stores, 0, 0, r.tid)
 
     @cute.jit
     def lookup(self, table, capacity, block_size, whole, walk, tile, tid, blocks):
