@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import pathlib
 import re
-import subprocess
 
 import pytest
 
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
+
+from cubin_tools import abi_table, cuobjdump, opcode_counts, param_table
 
 from jax_sparse_mla import index_lowering
 from jax_sparse_mla.kernel import compile as kernel_compile
@@ -24,23 +25,7 @@ from jax_sparse_mla.kernel.config import KernelUnavailableError
 from jax_sparse_mla.kernel.index import compile as index_compile
 from jax_sparse_mla.kernel.index.config import HEADS, INDEX_KERNELS, K_STEPS, TOKENS, IndexKernel
 
-PARAM_BYTES = {"u64": 8, "u32": 4}
 _real_fingerprint = index_compile.source_fingerprint
-
-
-def _cuobjdump() -> str:
-    import nvidia
-
-    for root in nvidia.__path__:
-        for path in pathlib.Path(root).glob("*/bin/cuobjdump"):
-            return str(path)
-    pytest.skip("cuobjdump (nvidia-cuda-cuobjdump) not installed")
-
-
-def _dump(flag: str, cubin: pathlib.Path) -> str:
-    return subprocess.run(
-        [_cuobjdump(), flag, str(cubin)], capture_output=True, text=True, check=True
-    ).stdout
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -104,25 +89,14 @@ def test_meta_matches_the_abi(compiled, kernel, fingerprint):
 def test_entry_params_match_the_abi(cubin_path, compiled, kernel):
     """The cubin's own parameter table: one entry per ABI parameter, in order, 8 bytes for
     a pointer and 4 for a size."""
-    elf = _dump("--dump-elf", cubin_path)
-    assert f".nv.info.{compiled.meta['kernel_name']}" in elf
-    table = sorted(
-        (int(ordinal, 16), int(size, 16))
-        for ordinal, size in re.findall(
-            r"Ordinal\s*:\s*0x([0-9a-f]+)\s+Offset\s*:\s*0x[0-9a-f]+\s+Size\s*:\s*0x([0-9a-f]+)",
-            elf,
-        )
-    )
-    assert table == [(i, PARAM_BYTES[t]) for i, t in enumerate(kernel.param_types)], table
+    table = param_table(cubin_path, compiled.meta["kernel_name"])
+    assert table == abi_table(kernel.param_types), table
 
 
 def test_sass(cubin_path, kernel):
-    sass = _dump("--dump-sass", cubin_path)
+    sass = cuobjdump("--dump-sass", cubin_path)
     assert "sm_90a" in sass
-    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass, re.M)
-    counts: dict[str, int] = {}
-    for op in ops:
-        counts[op.split(".")[0]] = counts.get(op.split(".")[0], 0) + 1
+    counts = opcode_counts(sass)
     assert "LDL" not in counts and "STL" not in counts, "local-memory spills"
     gmmas = re.findall(r"\b[A-Z]*GMMA\.\S+", sass)
     if kernel.stage == "scores":
@@ -138,7 +112,7 @@ def test_sass(cubin_path, kernel):
     else:
         assert not gmmas and "WARPGROUP" not in counts, counts
         assert "HMMA" not in counts and "QMMA" not in counts, counts
-    usage = _dump("--dump-resource-usage", cubin_path)
+    usage = cuobjdump("--dump-resource-usage", cubin_path)
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     assert registers <= 65536 // kernel.threads, usage  # one CTA's threads fit an SM
     if kernel.stage == "scores":  # the grid rule's resident CTAs fit the register file

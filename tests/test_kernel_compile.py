@@ -12,26 +12,17 @@ spills (LDL/STL) anywhere; and the disk cache / AOT command.
 from __future__ import annotations
 
 import json
-import pathlib
 import re
-import subprocess
 
 import pytest
 
 pytest.importorskip("cutlass", reason="needs nvidia-cutlass-dsl")
 
+from cubin_tools import cuobjdump, opcode_counts
+
 from jax_sparse_mla import aot
 from jax_sparse_mla.kernel import KernelConfig, KernelUnavailableError, compile
 from jax_sparse_mla.kernel.config import ALL_CONFIGS, PARAMS, SMEM_BYTES, SPLITS, WG_SMEM_BYTES
-
-
-def _cuobjdump() -> str:
-    import nvidia
-
-    for root in nvidia.__path__:
-        for path in pathlib.Path(root).glob("*/bin/cuobjdump"):
-            return str(path)
-    pytest.skip("cuobjdump (nvidia-cuda-cuobjdump) not installed")
 
 
 @pytest.fixture(scope="module")
@@ -87,15 +78,9 @@ def test_entry_params_parse():
 
 
 def test_sass(cubin_path, config):
-    tool = _cuobjdump()
-    sass = subprocess.run(
-        [tool, "--dump-sass", str(cubin_path)], capture_output=True, text=True, check=True
-    ).stdout
+    sass = cuobjdump("--dump-sass", cubin_path)
     assert "sm_90a" in sass
-    ops = re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", sass, re.M)
-    counts = {}
-    for op in ops:
-        counts[op.split(".")[0]] = counts.get(op.split(".")[0], 0) + 1
+    counts = opcode_counts(sass)
     assert "LDL" not in counts and "STL" not in counts, "local-memory spills"
     # The push exchange's flag release (dcp_decode(exchange="push")): a system-scope store.
     assert "STG.E.STRONG.SYS" in sass and "MEMBAR.ALL.SYS" in sass
@@ -128,9 +113,7 @@ def test_sass(cubin_path, config):
         else:  # a 1-CTA cluster merges in its own shared memory: no DSMEM at all
             assert "STAS" not in counts and "UCGABAR_WAIT" not in counts, counts
         assert counts.get("LDSM", 0) >= 1
-    usage = subprocess.run(
-        [tool, "--dump-resource-usage", str(cubin_path)], capture_output=True, text=True
-    ).stdout
+    usage = cuobjdump("--dump-resource-usage", cubin_path)
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     assert registers <= 65536 // config.block[0], usage  # one CTA's threads fit an SM
     assert "STACK:0" in usage and "LOCAL:0" in usage, usage
