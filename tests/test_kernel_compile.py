@@ -63,7 +63,7 @@ def test_meta_matches_abi(compiled, config):
     # grid: (ceil(Hp / head_tile) * split, B, 1)
     wgmma = config.variant == "wgmma"
     assert meta["head_tile"] == config.head_tile == (64 if wgmma else 16)
-    assert meta["block"] == [256 if wgmma else 512, 1, 1]
+    assert meta["block"] == [384 if wgmma else 512, 1, 1]
     assert meta["cluster"] == [config.split, 1, 1]
     smem = WG_SMEM_BYTES if wgmma else SMEM_BYTES
     assert meta["arch"] == "sm_90a" and meta["smem_bytes"] == smem <= 227 * 1024

@@ -81,7 +81,8 @@ class KernelUnavailableError(RuntimeError):
 
 # ---- the wgmma variant (wgmma_decode.py) -------------------------------------------------
 WG_HEADS = 64  # query heads per CTA: wgmma's M
-WG_THREADS = 256  # warpgroup 0: S and softmax, 1: loads and widening; each half of O
+WG_THREADS = 384  # warpgroups 0: S, softmax and O columns 0-255, 1: O 256-511, 2: loads, widening
+WG_CONSUMERS = 256  # warpgroups 0 and 1 (the MMAs)
 WG_KEYS = 64  # keys per chunk
 WG_ATOM = 128  # bytes per row of a 128-byte-swizzle atom (8 rows)
 WG_STAGES = 2  # F16 K tiles: chunk c + 1 is widened in while chunk c is computed
@@ -94,8 +95,11 @@ WG_P_OFFSET = WG_K_OFFSET + WG_STAGES * WG_F16_TILE  # P [WG_HEADS, WG_KEYS] F16
 WG_RED_OFFSET = WG_P_OFFSET + WG_HEADS * WG_KEYS * 2  # [2, WG_HEADS] f32: each chunk's
 # rescale factors, then (the end) the row sums, from warpgroup 0 to warpgroup 1
 WG_LIVE_OFFSET = WG_RED_OFFSET + 2 * WG_HEADS * 4  # [WG_STAGES, WG_KEYS] i32: key read (1)
-WG_BAR_OFFSET = WG_LIVE_OFFSET + WG_STAGES * WG_KEYS * 4  # u64 mbarrier: the merge's inbound
-WG_SMEM_BYTES = WG_BAR_OFFSET + 16
+# u64 mbarriers: the merge's inbound, then per stage "tile widened" (the producer's 128
+# threads arrive) and "tile consumed" (the 256 consumer threads arrive), then "P ready" and
+# "P free" (warpgroup 0's and 1's 128 threads)
+WG_BAR_OFFSET = WG_LIVE_OFFSET + WG_STAGES * WG_KEYS * 4
+WG_SMEM_BYTES = WG_BAR_OFFSET + 8 * (3 + 2 * WG_STAGES) + 8
 # The cluster merge (split > 1) reuses the regions the chunk loop is done with. Each CTA
 # writes its normalised partial as F16 into an outbox in the K tiles, one block per owner
 # ([split, WG_HEADS, LATENT / split]; 16-byte pieces of a head row XOR-swizzled by head % 8),

@@ -1,21 +1,24 @@
 """Sparse MLA decode on warpgroup MMA (wgmma) for Hopper (sm_90a), in CuTe DSL.
 
-The throughput variant: one CTA per (64 heads, row b) at split 1, two warpgroups with
-different jobs. Warpgroup 1 loads the cache rows of chunk c + 2 (WG_KEYS keys; four threads
-per row, so that one warp's 16-byte loads read 64 contiguous bytes of each of 8 rows) into
-registers and widens those of chunk c + 1 to F16 (exact: E4M3 is a subset of F16)
-into one of WG_STAGES 128-byte-swizzled K-major tiles, while warpgroup 0 computes S = Q K^T of
-chunk c for all 64 heads and keys (wgmma m64n64k16 F16 -> FP32, both operands in shared
-memory, Q widened once and read once per chunk), runs the online softmax over whole rows (log2
-units, FP32) and writes P as F16 and each head's rescale factor into shared memory. Then
-warpgroup g accumulates O's latent columns 256 g .. 256 g + 255 over the chunk's keys: wgmma
-m64n256k16, A = P, B = the F16 tile's first 512 columns read MN-major (V). Dead keys (past
-the count, rows outside [0, n_rows)) get S = -inf and a zero row. The two warpgroups run
-separate loops that meet at two CTA barriers per chunk (chunk c widened / P of chunk c
-written). A first build had both warpgroups widen and each compute S for 32 keys (m64n32,
-exchanging row maxima): Q was read from shared memory twice per chunk and the widening
-stalled the warps that issue the MMAs; throughput (B=64, H=128, 2048 keys) ran 115.7 us, this
-design 105.9 (H200, same run).
+The throughput variant: one CTA per (64 heads, row b) at split 1, three warpgroups with
+different jobs and register budgets (setmaxnreg). Warpgroup 2, the producer, loads the cache
+rows of chunk c + 1 (WG_KEYS keys; four threads per row, so that one warp's 16-byte loads
+read 64 contiguous bytes of each of 8 rows) into registers and widens chunk c to F16 (exact:
+E4M3 is a subset of F16) into one of WG_STAGES 128-byte-swizzled K-major tiles, as soon as
+both consumers are done with the tile's previous chunk (per-stage mbarriers: "widened",
+"consumed"). Warpgroup 0 computes S = Q K^T of chunk c for all 64 heads and keys (wgmma
+m64n64k16 F16 -> FP32, both operands in shared memory, Q widened once and read once per
+chunk), runs the online softmax over whole rows (log2 units, FP32) and writes P as F16 and
+each head's rescale factor into shared memory (mbarriers "P ready" / "P free" with
+warpgroup 1). Then warpgroup g < 2 accumulates O's latent columns 256 g .. 256 g + 255 over
+the chunk's keys: wgmma m64n256k16, A = P, B = the F16 tile's first 512 columns read MN-major
+(V). Dead keys (past the count, rows outside [0, n_rows)) get S = -inf and a zero row. An
+earlier design let warpgroup 1 load and widen between its P V steps (two CTA barriers per
+chunk): with no loads and no widening at all that kernel ran 63.1 us instead of 85.1 (B=64,
+H=128, 2048 keys; BENCHMARKS, issue #28's E1), the room this split aims at. A first build
+had both warpgroups widen and each compute S for 32 keys (m64n32, exchanging row maxima): Q
+was read from shared memory twice per chunk and the widening stalled the warps that issue
+the MMAs (115.7 us vs 105.9 for the two-warpgroup design, H200, same run).
 
 Split > 1 (KernelConfig("wgmma", split)): a cluster of split CTAs per (64 heads, row b), CTA
 ``part`` taking keys part, part + split, ... of the row. After the chunk loop each CTA writes
@@ -52,6 +55,7 @@ from jax_sparse_mla.kernel.config import (
     ROW,
     WG_ATOM,
     WG_BAR_OFFSET,
+    WG_CONSUMERS,
     WG_F16_TILE,
     WG_HEADS,
     WG_INBOX_OFFSET,
@@ -74,7 +78,7 @@ PIECES = ROW // 16  # 16-byte pieces of an FP8 row
 K_STEPS = ROW // 16  # QK's k16 steps
 WG_COLS = LATENT // 2  # latent columns per warpgroup
 S_VALUES = WG_KEYS // 2  # S accumulators per thread of warpgroup 0 (m64n64)
-LOADERS = WG_THREADS // 2  # warpgroup 1 loads and widens the cache rows
+LOADERS = WG_THREADS - WG_CONSUMERS  # warpgroup 2 loads and widens the cache rows
 # Four loaders per cache row, each piece sub + 4 i (i < 9): one warp's load reads 64 bytes
 # of 8 rows, two 32-byte sectors per L1 request, not 32 bytes of 16 rows (two loaders per
 # row: the gather's L1 requests were a quarter of the chunk's time).
@@ -85,7 +89,16 @@ MINE = PIECES // COPIERS  # 16-byte pieces per loader and key
 O_VALUES = WG_COLS // 2  # O accumulators per thread (m64n256)
 ATOM_SPAN = WG_KEYS * WG_ATOM  # bytes between column atoms of a tile
 SWIZZLE_128B = 1
-LOOP_BARRIER = 1  # the named barrier of the two warpgroups' loops (0 is __syncthreads')
+# All three warpgroups past their loops, before they set their budgets back to the shared
+# one: the PTX ISA asks a warpgroup's warps to synchronise between two setmaxnreg, and
+# warpgroup 0's increase must come before 1's and 2's (with no chunks they could otherwise
+# take their registers back first, and 0 would wait for them forever).
+LOOPS_DONE = 3
+# Registers per thread while the warpgroups run their loops (setmaxnreg; the launch gives each
+# 65,536 / 384 -> 168 and the three sum to 3 x 168), and in the shared code after them.
+S_REGISTERS, O_REGISTERS, LOAD_REGISTERS, SHARED_REGISTERS = 232, 160, 112, 168
+assert S_REGISTERS + O_REGISTERS + LOAD_REGISTERS == 3 * SHARED_REGISTERS
+assert LOADERS == 128 and WG_CONSUMERS == 256
 assert PIECES == COPIERS * MINE and COPIERS * 16 == 64  # piece sub + 4 i: F16 atom i
 assert WG_KEYS % ROW_KEYS == 0 and WG_HEADS * PIECES % WG_THREADS == 0
 
@@ -143,35 +156,47 @@ class WgmmaDecode(DecodeKernel):
         sP, sRed = base + WG_P_OFFSET, base + WG_RED_OFFSET
         sAlpha, sTotals = sRed, sRed + WG_HEADS * 4  # [WG_HEADS] f32 each
         inbound = base + WG_BAR_OFFSET
+        widened = inbound + 8  # [WG_STAGES] mbarriers: the stage's tile is in place
+        consumed = widened + 8 * WG_STAGES  # [WG_STAGES]: both warpgroups are done with it
+        # P and the rescale factors of a chunk written (warpgroup 0 arrives, 1 waits) and read
+        # (1 arrives, 0 waits). mbarriers, not named barriers: racecheck does not see the
+        # ordering of a barrier.arrive / barrier.sync pair and would flag every chunk.
+        p_ready = consumed + 8 * WG_STAGES
+        p_free = p_ready + 8
 
         tid, _, _ = cute.arch.thread_idx()
         x, b, _ = cute.arch.block_idx()
         tile, part = x // self.split, x % self.split
-        group = tid // 128  # 0: S, softmax, P; 1: loads and widening. O columns 256 group ..
+        group = tid // 128  # 0: S, softmax, P; 1: O columns 256 group ..; 2: loads, widening
         warp, lane = (tid % 128) // 32, tid % 32
         quad = lane % 4
-        loader = tid - (WG_THREADS - LOADERS)  # warpgroup 1's thread index
+        loader = tid - WG_CONSUMERS  # warpgroup 2's thread index
         neg_inf = Float32(-math.inf)
-        if cutlass.const_expr(self.clustered):
-            if tid == 0:
+        if tid == 0:
+            for stage in cutlass.range_constexpr(WG_STAGES):
+                ptx.mbarrier_init(widened + 8 * stage, LOADERS)
+                ptx.mbarrier_init(consumed + 8 * stage, WG_CONSUMERS)
+            ptx.mbarrier_init(p_ready, 128)
+            ptx.mbarrier_init(p_free, 128)
+            if cutlass.const_expr(self.clustered):
                 # Armed now; peers push only after the cluster barrier that ends the loop.
                 ptx.mbarrier_init(inbound, 1)
-                cute.arch.mbarrier_init_fence()
-            cute.arch.sync_threads()
-            if tid == 0:
+            cute.arch.mbarrier_init_fence()
+            if cutlass.const_expr(self.clustered):
                 ptx.mbarrier_arrive_expect_tx(inbound, self.inbound_bytes)
+        cute.arch.sync_threads()
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
         # Chunk 0's and 1's row indices are read together with the count (in bounds of
-        # rows[b]) and masked once it has arrived; warpgroup 0 reads none (row -1).
+        # rows[b]) and masked once it has arrived; the consumers read none (row -1).
         rows_base = mRows.toint() + (Int64(b) * width + part) * 4
         reach = (width - part + self.split - 1) // self.split  # this CTA's positions in rows[b]
         rows = cute.make_rmem_tensor((KEYS_EACH,), Int32)  # this loader's rows of a chunk
         rows.fill(-1)
         rows_next = cute.make_rmem_tensor((KEYS_EACH,), Int32)
         rows_next.fill(-1)
-        if group == 1:
+        if group == 2:
             self.load_rows(rows_base, reach, 0, loader, rows)
             self.load_rows(rows_base, reach, 1, loader, rows_next)
         n = ptx.load_global_i32(mValid.toint() + Int64(b) * 4)
@@ -184,7 +209,7 @@ class WgmmaDecode(DecodeKernel):
             rows_next[k] = ptx.where_i32(WG_KEYS + key < mine, rows_next[k], -1)
         staged = cute.make_rmem_tensor((KEYS_EACH * MINE * 4,), Int32)
         live = cute.make_rmem_tensor((KEYS_EACH,), Int32)  # the staged keys' flags
-        self.fetch(mKV, rows, n_rows, row_bytes, staged, live, loader)  # warpgroup 0: none
+        self.fetch(mKV, rows, n_rows, row_bytes, staged, live, loader)  # consumers: none
         # The last tile may be partial (Hp a multiple of 16): missing heads get a zero Q row
         # (their S is 0, their output is not written).
         q_base = mQ.toint() + Int64(b) * heads * ROW
@@ -198,57 +223,81 @@ class WgmmaDecode(DecodeKernel):
             flat = tid + WG_THREADS * i
             head = tile * WG_HEADS + flat // PIECES
             self.widen_piece(q_words[i], head < heads, sQ, flat // PIECES, flat % PIECES)
-        if group == 1:
-            self.widen(staged, live, sK, sLive, loader)  # chunk 0
-            self.fetch(mKV, rows_next, n_rows, row_bytes, staged, live, loader)  # chunk 1
-            self.load_rows(rows_base, mine, 2, loader, rows)
-        ptx.fence_proxy_async_shared()  # Q and chunk 0 are read by wgmma
+        ptx.fence_proxy_async_shared()  # Q is read by wgmma
+        cute.arch.sync_threads()
         scale_log2 = ptx.load_global_f32(mScales.toint())
 
         m_run = cute.make_rmem_tensor((2,), Float32)  # rows 16 warp + lane / 4 (+ 8)
-        m_run.fill(neg_inf)
         l_part = cute.make_rmem_tensor((2,), Float32)  # this thread's share of the P sums
-        l_part.fill(0.0)
         acc = cute.make_rmem_tensor((O_VALUES,), Float32)
-        acc.fill(0.0)
-        # The warpgroups run separate loops (meeting at two named barriers per chunk),
-        # so that the staged rows (warpgroup 1) and S (warpgroup 0) never share registers.
+        # The warpgroups run separate loops, synchronised by the stages' mbarriers (producer ->
+        # consumers: tile widened; consumers -> producer: tile free) and P's two (warpgroup 0
+        # <-> 1), each with its own register budget; the consumers' accumulators are set only
+        # in their branches, so that nothing of theirs is live in the producer's.
         if group == 0:
+            cute.arch.warpgroup_reg_alloc(S_REGISTERS)
+            m_run.fill(neg_inf)
+            l_part.fill(0.0)
+            acc.fill(0.0)
             for c in cutlass.range(0, chunks, unroll=1):
                 stage = c % WG_STAGES
                 sKc, sLivec = sK + stage * WG_F16_TILE, sLive + stage * (WG_KEYS * 4)
-                # Chunk c is widened; both warpgroups are done with chunk c - 1 (tile, P).
-                ptx.barrier_sync(LOOP_BARRIER, WG_THREADS)
+                ptx.mbarrier_wait(widened + 8 * stage, (c // WG_STAGES) % 2)
                 self.softmax_chunk(
-                    sQ, sKc, sLivec, sP, sAlpha, scale_log2, m_run, l_part, acc, warp, lane
+                    sQ,
+                    sKc,
+                    sLivec,
+                    sP,
+                    sAlpha,
+                    p_ready,
+                    p_free,
+                    scale_log2,
+                    m_run,
+                    l_part,
+                    acc,
+                    warp,
+                    lane,
+                    c,
                 )
-                # P and the rescale factors of chunk c are in place.
-                ptx.barrier_sync(LOOP_BARRIER, WG_THREADS)
                 self.accumulate(acc, sP, sKc, 0)
-        else:
+                ptx.mbarrier_arrive(consumed + 8 * stage)
+            ptx.barrier_sync(LOOPS_DONE, WG_THREADS)
+            cute.arch.warpgroup_reg_dealloc(SHARED_REGISTERS)
+        elif group == 1:
+            cute.arch.warpgroup_reg_dealloc(O_REGISTERS)
+            acc.fill(0.0)
             for c in cutlass.range(0, chunks, unroll=1):
                 stage = c % WG_STAGES
                 sKc = sK + stage * WG_F16_TILE
-                ptx.barrier_sync(LOOP_BARRIER, WG_THREADS)
-                if c + 1 < chunks:
-                    other = (c + 1) % WG_STAGES
-                    self.widen(
-                        staged,
-                        live,
-                        sK + other * WG_F16_TILE,
-                        sLive + other * (WG_KEYS * 4),
-                        loader,
-                    )
-                    ptx.fence_proxy_async_shared()  # chunk c + 1 is read by wgmma
-                    self.fetch(mKV, rows, n_rows, row_bytes, staged, live, loader)  # c + 2
-                    self.load_rows(rows_base, mine, c + 3, loader, rows)
-                ptx.barrier_sync(LOOP_BARRIER, WG_THREADS)
+                ptx.mbarrier_wait(widened + 8 * stage, (c // WG_STAGES) % 2)
+                ptx.mbarrier_wait(p_ready, c % 2)  # P and the factors of chunk c
                 for r in cutlass.range_constexpr(2):
                     alpha = ptx.load_shared_f32(sAlpha + (16 * warp + lane // 4 + 8 * r) * 4)
                     for v in cutlass.range_constexpr(r * 2, O_VALUES, 4):
                         acc[v] = acc[v] * alpha
                         acc[v + 1] = acc[v + 1] * alpha
                 self.accumulate(acc, sP, sKc, 1)
+                ptx.mbarrier_arrive(consumed + 8 * stage)
+                if c + 1 < chunks:
+                    ptx.mbarrier_arrive(p_free)  # chunk c's P and factors read
+            ptx.barrier_sync(LOOPS_DONE, WG_THREADS)
+            cute.arch.warpgroup_reg_alloc(SHARED_REGISTERS)
+        else:
+            cute.arch.warpgroup_reg_dealloc(LOAD_REGISTERS)
+            for c in cutlass.range(0, chunks, unroll=1):
+                stage = c % WG_STAGES
+                if c >= WG_STAGES:  # chunk c - WG_STAGES has left the stage's tile
+                    ptx.mbarrier_wait(consumed + 8 * stage, (c // WG_STAGES - 1) % 2)
+                self.widen(
+                    staged, live, sK + stage * WG_F16_TILE, sLive + stage * (WG_KEYS * 4), loader
+                )
+                ptx.fence_proxy_async_shared()  # the tile is read by wgmma
+                ptx.mbarrier_arrive(widened + 8 * stage)
+                if c + 1 < chunks:
+                    self.fetch(mKV, rows_next, n_rows, row_bytes, staged, live, loader)
+                    self.load_rows(rows_base, mine, c + 2, loader, rows_next)
+            ptx.barrier_sync(LOOPS_DONE, WG_THREADS)
+            cute.arch.warpgroup_reg_alloc(SHARED_REGISTERS)
 
         # The row sums (warpgroup 0's) to both warpgroups, through sTotals (sAlpha may still
         # be read by warpgroup 1 for the last chunk).
@@ -269,7 +318,8 @@ class WgmmaDecode(DecodeKernel):
         if cutlass.const_expr(self.clustered):
             sOutbox, sInbox = base + WG_OUTBOX_OFFSET, base + WG_INBOX_OFFSET
             sStats = base + WG_STATS_OFFSET
-            self.fill_outbox(sOutbox, acc, totals, tid)
+            if tid < WG_CONSUMERS:
+                self.fill_outbox(sOutbox, acc, totals, tid)
             ptx.fence_proxy_async_shared()  # the outbox is read by bulk copies
             # Every CTA of the cluster is done with its tiles (inbox and stats regions), and
             # this CTA's outbox is complete.
@@ -282,7 +332,8 @@ class WgmmaDecode(DecodeKernel):
             ptx.mbarrier_wait_cluster(inbound, 0)  # every source's block of these columns
             # Every CTA has received everything: no outbox is read after this barrier.
             cute.arch.cluster_arrive_relaxed()
-            self.merge(mScales, dest, sOutbox, sInbox, sStats, tile, part, heads, tid)
+            if tid < WG_CONSUMERS:
+                self.merge(mScales, dest, sOutbox, sInbox, sStats, tile, part, heads, tid)
             cute.arch.cluster_wait()  # no CTA exits while a copy still reads its outbox
         else:
             sOut = base + WG_K_OFFSET
@@ -312,11 +363,25 @@ class WgmmaDecode(DecodeKernel):
 
     @cute.jit
     def softmax_chunk(
-        self, sQ, sKc, sLivec, sP, sAlpha, scale_log2, m_run, l_part, acc, warp, lane
+        self,
+        sQ,
+        sKc,
+        sLivec,
+        sP,
+        sAlpha,
+        p_ready,
+        p_free,
+        scale_log2,
+        m_run,
+        l_part,
+        acc,
+        warp,
+        lane,
+        c,
     ):
-        """Warpgroup 0's part of a chunk: S over its 64 keys, the online softmax (log2
+        """Warpgroup 0's part of chunk c: S over its 64 keys, the online softmax (log2
         units), this warpgroup's O rescaled, P as F16 into sP and the rescale factors into
-        sAlpha (for warpgroup 1)."""
+        sAlpha for warpgroup 1 (once it has read chunk c - 1's: p_free), then p_ready."""
         quad = lane % 4
         neg_inf = Float32(-math.inf)
         # S value v belongs to key 8 (v / 4) + 2 quad + v % 2: bit 2 (v / 4) + v % 2.
@@ -359,15 +424,19 @@ class WgmmaDecode(DecodeKernel):
                     total = total + s[v]
             l_part[r] = l_part[r] * alpha[r] + total
             m_run[r] = m_new
-            if quad == 0:
-                ptx.store_shared_f32(sAlpha + (16 * warp + lane // 4 + 8 * r) * 4, alpha[r])
         for v in cutlass.range_constexpr(O_VALUES):
             acc[v] = acc[v] * alpha[(v // 2) % 2]
+        if c > 0:
+            ptx.mbarrier_wait(p_free, (c - 1) % 2)  # warpgroup 1 is done with chunk c - 1's
+        if quad == 0:
+            for r in cutlass.range_constexpr(2):
+                ptx.store_shared_f32(sAlpha + (16 * warp + lane // 4 + 8 * r) * 4, alpha[r])
         for v in cutlass.range_constexpr(0, S_VALUES, 2):
             head = 16 * warp + lane // 4 + 8 * ((v // 2) % 2)
             dst = sP + f16_offset(head, 8 * (v // 4)) + 4 * quad
             ptx.store_shared_u32(dst, ptx.f16x2(s[v], s[v + 1]))
         ptx.fence_proxy_async_shared()  # P is read by wgmma
+        ptx.mbarrier_arrive(p_ready)
 
     @cute.jit
     def load_rows(self, rows_base, mine, c, loader, rows):
@@ -441,18 +510,19 @@ class WgmmaDecode(DecodeKernel):
         group = tid // 128
         warp, lane = (tid % 128) // 32, tid % 32
         quad = lane % 4
-        for r in cutlass.range_constexpr(2):
-            head_in_tile = 16 * warp + lane // 4 + 8 * r
-            nonempty, inverse = self.normaliser(out_scale, totals[r])
-            head = tile * WG_HEADS + head_in_tile
-            row_out = sOut + head_in_tile * WG_OUT_PITCH + (group * WG_COLS + 2 * quad) * 2
-            for v in cutlass.range_constexpr(r * 2, O_VALUES, 4):
-                word = ptx.bf16x2(acc[v] * inverse, acc[v + 1] * inverse)
-                ptx.store_shared_u32(row_out + 8 * (v // 4) * 2, word)
-            if (group == 0) & (quad == 0) & (head < heads):
-                _, lse_at, keep = self.row_target(dest, head)
-                if keep:
-                    self.store_lse(lse_at, self.log2_lse(nonempty, m_run[r], totals[r]))
+        if tid < WG_CONSUMERS:  # the producer warpgroup holds no accumulators
+            for r in cutlass.range_constexpr(2):
+                head_in_tile = 16 * warp + lane // 4 + 8 * r
+                nonempty, inverse = self.normaliser(out_scale, totals[r])
+                head = tile * WG_HEADS + head_in_tile
+                row_out = sOut + head_in_tile * WG_OUT_PITCH + (group * WG_COLS + 2 * quad) * 2
+                for v in cutlass.range_constexpr(r * 2, O_VALUES, 4):
+                    word = ptx.bf16x2(acc[v] * inverse, acc[v + 1] * inverse)
+                    ptx.store_shared_u32(row_out + 8 * (v // 4) * 2, word)
+                if (group == 0) & (quad == 0) & (head < heads):
+                    _, lse_at, keep = self.row_target(dest, head)
+                    if keep:
+                        self.store_lse(lse_at, self.log2_lse(nonempty, m_run[r], totals[r]))
         ptx.fence_proxy_async_shared()  # the rows are read by bulk copies
         cute.arch.sync_threads()
         head = tile * WG_HEADS + tid
