@@ -3,6 +3,7 @@
     python -m jax_sparse_mla.aot --out DIR                 # every decode config + the indexer's
     python -m jax_sparse_mla.aot --out DIR --variant cluster-mma
     python -m jax_sparse_mla.aot --out DIR --variant index  # the indexer's two kernels only
+    python -m jax_sparse_mla.aot --out DIR --variant exchange  # the push exchange's two
 
 A cubin serves every batch size, head count, top-k width and cache size, so one per config
 (variant and cluster split) is all a machine needs. The wheel build runs this command and
@@ -17,6 +18,7 @@ import sys
 import time
 
 from jax_sparse_mla.kernel.config import ALL_CONFIGS, ARCH, VARIANTS
+from jax_sparse_mla.kernel.exchange.config import EXCHANGE_KERNELS, ExchangeKernel
 from jax_sparse_mla.kernel.index.config import INDEX_KERNELS, IndexKernel
 
 
@@ -31,22 +33,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--variant",
         action="append",
-        choices=[*VARIANTS, "index"],
-        help="decode kernel variant, or 'index' (repeatable; default: all)",
+        choices=[*VARIANTS, "index", "exchange"],
+        help="decode kernel variant, 'index' or 'exchange' (repeatable; default: all)",
     )
     args = parser.parse_args(argv)
-    variants = set(args.variant or [*VARIANTS, "index"])
+    variants = set(args.variant or [*VARIANTS, "index", "exchange"])
     configs = [config for config in ALL_CONFIGS if config.variant in variants]
     if "index" in variants:
         configs += INDEX_KERNELS
+    if "exchange" in variants:
+        configs += EXCHANGE_KERNELS
 
     from jax_sparse_mla.kernel.compile import get_kernel
+    from jax_sparse_mla.kernel.exchange.compile import get_kernel as get_exchange_kernel
     from jax_sparse_mla.kernel.index.compile import get_kernel as get_index_kernel
 
+    families = {IndexKernel: get_index_kernel, ExchangeKernel: get_exchange_kernel}
     for i, config in enumerate(configs, 1):
         start = time.perf_counter()
         print(f"[{i}/{len(configs)}] {config.slug}: compiling ...", end="", flush=True)
-        compile_one = get_index_kernel if isinstance(config, IndexKernel) else get_kernel
+        compile_one = families.get(type(config), get_kernel)
         kernel = compile_one(config, cache_dir=args.out)
         seconds = time.perf_counter() - start
         print(f" {len(kernel.cubin)} bytes, {kernel.meta['kernel_name'][:40]}... ({seconds:.1f} s)")

@@ -52,16 +52,20 @@ class CompiledKernel:
 _NOT_COMPILED = frozenset({"dispatch.py"})
 
 
-def source_fingerprint() -> str:
-    """Hash of the kernel package's sources that shape a cubin (names and bytes), 16 hex
-    digits; the dispatch rule is not one of them."""
+def hash_sources(paths) -> str:
+    """Hash of source files (names and bytes, in the given order), 16 hex digits."""
     digest = hashlib.sha256()
-    for path in sorted(_KERNEL_DIR.glob("*.py")):
-        if path.name in _NOT_COMPILED:
-            continue
+    for path in paths:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]
+
+
+def source_fingerprint() -> str:
+    """Hash of the kernel package's sources that shape a cubin; the dispatch rule is not one
+    of them."""
+    paths = sorted(_KERNEL_DIR.glob("*.py"))
+    return hash_sources(path for path in paths if path.name not in _NOT_COMPILED)
 
 
 def dsl_version() -> str | None:
@@ -216,18 +220,7 @@ def compile_kernel(config: KernelConfig, fingerprint: str, version: str) -> Comp
         cutlass.Int32(0),  # latent_offset
         cutlass.Int32(0),  # lse_offset
     )
-    with tempfile.TemporaryDirectory(prefix="jax_sparse_mla-") as dump:
-        options = f"--gpu-arch {ARCH} --keep-cubin --keep-ptx --dump-dir {dump}"
-        compiled = cute.compile(kernel_class(config), *args, options=options)
-        cubin, ptx = compiled.artifacts.CUBIN, compiled.artifacts.PTX
-        if not cubin or not ptx:  # older DSLs only dump the files
-            cubin = next(pathlib.Path(dump).glob("*.cubin")).read_bytes()
-            ptx = next(pathlib.Path(dump).glob("*.ptx")).read_text()
-    if f".target {ARCH}" not in ptx:
-        raise RuntimeError(f"the DSL compiled for another arch than {ARCH}")
-    name, types = parse_entry(ptx)
-    if tuple(types) != PARAM_TYPES:
-        raise RuntimeError(f"kernel {name} has params {types}, the ABI wants {PARAM_TYPES}")
+    cubin, name = dsl_compile(kernel_class(config), args, PARAM_TYPES)
     meta = {
         "kernel_name": name,
         "head_tile": config.head_tile,
@@ -240,4 +233,25 @@ def compile_kernel(config: KernelConfig, fingerprint: str, version: str) -> Comp
         "fingerprint": fingerprint,
         "config": dataclasses.asdict(config),
     }
-    return CompiledKernel(bytes(cubin), meta)
+    return CompiledKernel(cubin, meta)
+
+
+def dsl_compile(builder, args, param_types) -> tuple[bytes, str]:
+    """``builder``'s kernel compiled by the DSL for ARCH with placeholder ``args`` (the
+    caller has set CUTE_DSL_ARCH before importing the DSL): its cubin and entry name, after
+    checking the target and that the entry's parameters are ``param_types`` (the ABI)."""
+    import cutlass.cute as cute
+
+    with tempfile.TemporaryDirectory(prefix="jax_sparse_mla-") as dump:
+        options = f"--gpu-arch {ARCH} --keep-cubin --keep-ptx --dump-dir {dump}"
+        compiled = cute.compile(builder, *args, options=options)
+        cubin, ptx = compiled.artifacts.CUBIN, compiled.artifacts.PTX
+        if not cubin or not ptx:  # older DSLs only dump the files
+            cubin = next(pathlib.Path(dump).glob("*.cubin")).read_bytes()
+            ptx = next(pathlib.Path(dump).glob("*.ptx")).read_text()
+    if f".target {ARCH}" not in ptx:
+        raise RuntimeError(f"the DSL compiled for another arch than {ARCH}")
+    name, types = parse_entry(ptx)
+    if tuple(types) != tuple(param_types):
+        raise RuntimeError(f"kernel {name} has params {types}, the ABI wants {param_types}")
+    return bytes(cubin), name

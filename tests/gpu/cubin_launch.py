@@ -77,16 +77,23 @@ class CubinKernel:
         check(cu.cuFuncSetAttribute(self.function, attribute, meta["smem_bytes"]))
 
     def launch(
-        self, stream, pointers: list[int], sizes: tuple[int, ...], batch: int, pdl: bool = True
+        self,
+        stream,
+        pointers: list[int],
+        sizes: tuple[int, ...],
+        batch: int,
+        pdl: bool = True,
+        exchange: tuple[int, ...] | None = None,
     ) -> None:
         """Launch with the ABI's seven device pointers and four sizes (n_rows, width, heads,
-        row_bytes) and no exchange (null exchange, rank and step; D = 1, H_own = heads, zero
-        offsets) over the grid of ``batch`` rows, as the FFI handler computes it; with the
-        PDL attribute unless ``pdl`` is False."""
+        row_bytes) over the grid of ``batch`` rows, as the FFI handler computes it; with the
+        PDL attribute unless ``pdl`` is False. ``exchange``: the push exchange's (header, rank
+        pointer, step pointer, D, H_own, latent offset, LSE offset), or None for none (null
+        pointers; D = 1, H_own = heads, zero offsets)."""
         meta = self.meta
         heads = sizes[2]
         config = cu.CUlaunchConfig()
-        config.gridDimX = -(-heads // meta["head_tile"]) * meta["cluster"][0]
+        config.gridDimX = grid_columns(self, heads)
         config.gridDimY, config.gridDimZ = batch, 1
         config.blockDimX, config.blockDimY, config.blockDimZ = meta["block"]
         config.sharedMemBytes = meta["smem_bytes"]
@@ -102,11 +109,16 @@ class CubinKernel:
         programmatic.value.programmaticStreamSerializationAllowed = 1
         config.attrs = [cluster, programmatic] if pdl else [cluster]
         config.numAttrs = len(config.attrs)
-        no_exchange = ((0, 0, 0), (1, heads, 0, 0))
-        values = (*pointers, *sizes, *no_exchange[0], *no_exchange[1])
+        values = (*pointers, *sizes, *(exchange or (0, 0, 0, 1, heads, 0, 0)))
         types = (ctypes.c_void_p,) * len(pointers) + (ctypes.c_int,) * len(sizes)
         types += (ctypes.c_void_p,) * 3 + (ctypes.c_int,) * 4
         check(cu.cuLaunchKernelEx(config, self.function, (values, types), 0))
+
+
+def grid_columns(kernel: CubinKernel, heads: int) -> int:
+    """The launch's CTAs per row for ``heads`` padded heads (the push exchange's flags per
+    row)."""
+    return -(-heads // kernel.meta["head_tile"]) * kernel.meta["cluster"][0]
 
 
 def run_decode(context: Context, kernel: CubinKernel, q, kv, rows, valid, scales):

@@ -9,10 +9,8 @@ fingerprint hashes this folder's sources and the shared ``kernel/ptx.py``.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import pathlib
-import tempfile
 
 from jax_sparse_mla.kernel import compile as kernel_compile
 from jax_sparse_mla.kernel.index.config import ARCH, IndexKernel
@@ -26,11 +24,7 @@ _MEMORY: dict[IndexKernel, kernel_compile.CompiledKernel] = {}
 
 def source_fingerprint() -> str:
     """Hash of the sources that shape the indexer's cubins, 16 hex digits."""
-    digest = hashlib.sha256()
-    for path in _SOURCES:
-        digest.update(path.name.encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
+    return kernel_compile.hash_sources(_SOURCES)
 
 
 def get_kernel(
@@ -72,18 +66,7 @@ def compile_kernel(kernel: IndexKernel, fingerprint: str, version: str):
     ]
     sizes = [cutlass.Int32(1) for kind in kernel.param_types if kind == "u32"]
     builder = IndexScores() if kernel.stage == "scores" else RadixTopk(kernel.cluster)
-    with tempfile.TemporaryDirectory(prefix="jax_sparse_mla-") as dump:
-        options = f"--gpu-arch {ARCH} --keep-cubin --keep-ptx --dump-dir {dump}"
-        compiled = cute.compile(builder, *pointers, *sizes, options=options)
-        cubin, ptx = compiled.artifacts.CUBIN, compiled.artifacts.PTX
-        if not cubin or not ptx:  # older DSLs only dump the files
-            cubin = next(pathlib.Path(dump).glob("*.cubin")).read_bytes()
-            ptx = next(pathlib.Path(dump).glob("*.ptx")).read_text()
-    if f".target {ARCH}" not in ptx:
-        raise RuntimeError(f"the DSL compiled for another arch than {ARCH}")
-    name, types = kernel_compile.parse_entry(ptx)
-    if tuple(types) != kernel.param_types:
-        raise RuntimeError(f"kernel {name} has params {types}, the ABI wants {kernel.param_types}")
+    cubin, name = kernel_compile.dsl_compile(builder, (*pointers, *sizes), kernel.param_types)
     meta = {
         "kernel_name": name,
         "threads": kernel.threads,
@@ -94,4 +77,4 @@ def compile_kernel(kernel: IndexKernel, fingerprint: str, version: str):
         "fingerprint": fingerprint,
         "index_kernel": dataclasses.asdict(kernel),
     }
-    return kernel_compile.CompiledKernel(bytes(cubin), meta)
+    return kernel_compile.CompiledKernel(cubin, meta)

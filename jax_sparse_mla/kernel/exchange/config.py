@@ -1,0 +1,76 @@
+"""Static configuration of the push exchange's kernels (no DSL import): the mailbox header's
+layout, shared with ffi/dcp_exchange.cc and the decode kernels, and the cubins' parameter
+ABIs (the order the FFI handler passes them in).
+
+The layout of a data region (offsets computed per call by dcp_exchange.cc's MakeLayout and
+passed as parameters): flags u32[2][D][B][F], partial latents bf16[2][D][B][H][512], partial
+LSEs f32[2][D][B][H], query flags u32[2][D][B][C], query rows fp8[2][D][B][H][576];
+``[slot][source][row]`` with slot = step & 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+ARCH = "sm_90a"
+THREADS = 256  # per CTA, both kernels
+LATENT = 512  # merged columns of a head (bf16)
+QUERY_ROW = 576  # bytes of an FP8 query head
+QUERY_UNITS = QUERY_ROW // 16  # 16-byte units of a query head
+
+# Header (bytes): u64 data[16] (every rank's data region, by rank), then these words.
+RANK_OFFSET = 128  # u32 this device's rank
+HAS_LAST_OFFSET = 132  # u32 an exchange ran since setup
+LAST_STEP_OFFSET = 136  # u32 its step
+CLAIMED_OFFSET = 140  # u32 elects the writer of the error record
+TIMEOUT_OFFSET = 144  # u64 ns a wait may take
+
+# Error codes (kept in sync with dcp_exchange.cc and the decode kernels).
+TIMEOUT_PARTIALS = 1
+TIMEOUT_QUERIES = 4
+
+MERGE_PARAMS = (
+    "latent", "lse", "step", "header", "error", "latent_offset", "lse_offset",
+    "batch", "heads", "dcp", "chunk", "tile", "split", "flags",
+)  # fmt: skip
+MERGE_PARAM_TYPES = ("u64",) * 7 + ("u32",) * 7
+GATHER_PARAMS = (
+    "out", "queries", "rank", "step", "header", "error", "flags_offset", "rows_offset",
+    "batch", "heads", "dcp", "padded",
+)  # fmt: skip
+GATHER_PARAM_TYPES = ("u64",) * 8 + ("u32",) * 4
+
+
+@dataclasses.dataclass(frozen=True)
+class ExchangeKernel:
+    """One of the exchange's cubins: ``stage`` "merge" (dcp_merge: grid (ceil(H / chunk), B))
+    or "gather" (dcp_gather_q: grid (ceil(H * 36 / THREADS), B)), THREADS threads each."""
+
+    stage: str
+
+    def __post_init__(self) -> None:
+        if self.stage not in _ABI:
+            raise ValueError(f"ExchangeKernel.stage must be one of {tuple(_ABI)}, {self.stage=}")
+
+    @property
+    def slug(self) -> str:
+        return f"exchange-{self.stage}"
+
+    @property
+    def threads(self) -> int:
+        return THREADS
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        return _ABI[self.stage][0]
+
+    @property
+    def param_types(self) -> tuple[str, ...]:
+        return _ABI[self.stage][1]
+
+
+_ABI = {
+    "merge": (MERGE_PARAMS, MERGE_PARAM_TYPES),
+    "gather": (GATHER_PARAMS, GATHER_PARAM_TYPES),
+}
+EXCHANGE_KERNELS = (ExchangeKernel("gather"), ExchangeKernel("merge"))

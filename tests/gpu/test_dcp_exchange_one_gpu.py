@@ -1,0 +1,422 @@
+"""The push exchange's own kernels (the query gather and the merge) on ONE GPU.
+
+The exchange's kernels only see addresses: every rank's data region is listed in each rank's
+header. Here the D ranks' headers and data regions are plain allocations on one device. The
+merge: the decode CTAs' pushes are simulated by writing partials and flags into a rank's
+mailbox, that rank's merge runs alone and is compared with a numpy LSE merge. The gather: the
+D ranks' kernels run at once on D streams (each waits for the others' flags), and every
+rank's output must hold every rank's heads. Both also with a rank that never arrives (the
+timeout: NaN rows and the error record). So the kernels, their flag protocol (slot by step
+parity, flag = (step & 0x7fffffff) + 1) and their timeouts are tested without the two-GPU
+machine that test_dcp_push_gpu.py needs.
+
+Each test runs the CuTe DSL cubins (``kernel/exchange``) and, while it exists, the PTX they
+replace (``ffi/dcp_exchange.ptx``); the DSL merge must equal the PTX one bit for bit.
+Layouts as in ffi/dcp_exchange.cc (MakeLayout) and kernel/exchange/config.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import pathlib
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # cubin_launch
+
+from jax_sparse_mla.kernel.config import KernelConfig
+from jax_sparse_mla.kernel.exchange.config import (
+    CLAIMED_OFFSET,
+    HAS_LAST_OFFSET,
+    LAST_STEP_OFFSET,
+    LATENT,
+    QUERY_ROW,
+    QUERY_UNITS,
+    RANK_OFFSET,
+    THREADS,
+    TIMEOUT_OFFSET,
+    ExchangeKernel,
+)
+
+pytestmark = pytest.mark.gpu
+
+PTX = pathlib.Path(__file__).resolve().parents[2] / "ffi" / "dcp_exchange.ptx"
+CHUNK_HEADS = 8  # dcp_exchange.cc's kChunkHeads: heads per merge CTA
+REGION_ALIGN = 256
+HEADER_BYTES = 256
+ERROR_OFFSET = 152  # u64 the error record's address (dcp_exchange.cc's kErrorOffset)
+IMPLEMENTATIONS = ["dsl", "ptx"] if PTX.exists() else ["dsl"]
+
+
+def align(value: int) -> int:
+    return -(-value // REGION_ALIGN) * REGION_ALIGN
+
+
+def query_chunks(heads: int) -> int:
+    return -(-heads * QUERY_UNITS // THREADS)
+
+
+def layout(dcp: int, batch: int, heads: int, flags_per_row: int) -> dict:
+    """A data region as MakeLayout places it."""
+    latent = align(4 * 2 * dcp * batch * flags_per_row)
+    lse = latent + 2 * dcp * batch * heads * LATENT * 2
+    query_flags = align(lse + 2 * dcp * batch * heads * 4)
+    queries = align(query_flags + 4 * 2 * dcp * batch * query_chunks(heads))
+    size = queries + 2 * dcp * batch * heads * QUERY_ROW
+    return {"latent": latent, "lse": lse, "query_flags": query_flags, "queries": queries,
+            "bytes": size}  # fmt: skip
+
+
+class Device:
+    """The exchange's two kernels from the DSL cubins or the PTX, and device memory."""
+
+    def __init__(self, implementation: str):
+        from cubin_launch import Context, check
+        from cuda.bindings import driver as cu
+
+        self.cu, self.check = cu, check
+        self.context = Context()
+        self.streams = [self.context.stream]
+        if implementation == "ptx":
+            module = check(cu.cuModuleLoadData(PTX.read_bytes() + b"\0"))
+            names = {"merge": b"dcp_merge", "gather": b"dcp_gather_q"}
+            self.functions = {k: check(cu.cuModuleGetFunction(module, n)) for k, n in names.items()}
+        else:
+            from jax_sparse_mla.kernel.exchange.compile import get_kernel
+
+            self.functions = {}
+            for stage in ("merge", "gather"):
+                compiled = get_kernel(ExchangeKernel(stage))
+                module = check(cu.cuModuleLoadData(compiled.cubin))
+                name = compiled.meta["kernel_name"].encode()
+                self.functions[stage] = check(cu.cuModuleGetFunction(module, name))
+
+    def stream(self, i: int):
+        while len(self.streams) <= i:
+            flags = self.cu.CUstream_flags.CU_STREAM_NON_BLOCKING
+            self.streams.append(self.check(self.cu.cuStreamCreate(flags)))
+        return self.streams[i]
+
+    def alloc(self, nbytes: int, fill: int = 0) -> int:
+        ptr = self.check(self.cu.cuMemAlloc(max(nbytes, 16)))
+        self.check(self.cu.cuMemsetD8(ptr, fill, max(nbytes, 16)))
+        return int(ptr)
+
+    def upload(self, ptr: int, array: np.ndarray) -> None:
+        host = np.ascontiguousarray(array)
+        self.check(self.cu.cuMemcpyHtoD(ptr, host.ctypes.data, host.nbytes))
+
+    def download(self, ptr: int, shape, dtype) -> np.ndarray:
+        out = np.empty(shape, dtype)
+        self.check(self.cu.cuMemcpyDtoH(out.ctypes.data, ptr, out.nbytes))
+        return out
+
+    def launch(self, stage, grid, values, types, stream: int = 0) -> None:
+        args = (values, types)
+        function, s = self.functions[stage], self.stream(stream)
+        self.check(self.cu.cuLaunchKernel(function, *grid, THREADS, 1, 1, 0, s, args, 0))
+
+    def synchronize(self) -> None:
+        for s in self.streams:
+            self.check(self.cu.cuStreamSynchronize(s))
+
+
+@pytest.fixture(scope="module", params=IMPLEMENTATIONS)
+def device(request):
+    return Device(request.param)
+
+
+def mailboxes(device, dcp, places, timeout_ns):
+    """D data regions, error records and headers (each listing every region, its rank, the
+    timeout and its error record), as dcp_setup makes them."""
+    regions = [device.alloc(places["bytes"]) for _ in range(dcp)]
+    errors = [device.alloc(16) for _ in range(dcp)]
+    headers = []
+    for r in range(dcp):
+        header = np.zeros(HEADER_BYTES, np.uint8)
+        header[: 8 * dcp].view(np.uint64)[:] = regions
+        header[RANK_OFFSET : RANK_OFFSET + 4].view(np.uint32)[0] = r
+        header[TIMEOUT_OFFSET : TIMEOUT_OFFSET + 8].view(np.uint64)[0] = timeout_ns
+        header[ERROR_OFFSET : ERROR_OFFSET + 8].view(np.uint64)[0] = errors[r]
+        headers.append(device.alloc(HEADER_BYTES))
+        device.upload(headers[-1], header)
+    return regions, headers, errors
+
+
+def scalar(device, value: int) -> int:
+    ptr = device.alloc(4)
+    device.upload(ptr, np.array([value % 2**32], np.uint32))  # s32 bits
+    return ptr
+
+
+# ---- the merge -----------------------------------------------------------------------------
+
+
+def reference_merge(latents, lses):
+    """numpy LSE merge of D partials: latents [D, B, H, 512] (bf16 values), lses [D, B, H]
+    (natural log, -inf for a partial without keys) -> rows [B, H, 512], lse [B, H]."""
+    top = np.max(lses, axis=0)
+    top = np.where(np.isneginf(top), 0.0, top)
+    weights = np.exp(lses.astype(np.float64) - top)
+    total = weights.sum(axis=0)
+    rows = (weights[..., None] * latents.astype(np.float64)).sum(axis=0)
+    empty = total == 0
+    rows = np.where(empty[..., None], 0.0, rows / np.where(empty, 1.0, total)[..., None])
+    lse = np.where(empty, -np.inf, top + np.log(np.where(empty, 1.0, total)))
+    return rows, lse
+
+
+def run_merge(device, *, dcp, rank, batch, heads, tile, split, step, latents, lses, flagged,
+              timeout_ns=2_000_000_000):  # fmt: skip
+    """Rank ``rank``'s mailbox holds every source's partials for ``step``, the flags of the
+    (source, row) pairs in ``flagged`` set (the others hold an older step's); runs its merge
+    and returns (rows as f32, lse, row bits, the error record, the header's words)."""
+    flags_per_row = -(-dcp * heads // tile) * split  # the decode's CTAs per row
+    places = layout(dcp, batch, heads, flags_per_row)
+    regions, headers, errors = mailboxes(device, dcp, places, timeout_ns)
+    slot, flag = step & 1, (step & 0x7FFFFFFF) + 1
+    mine = regions[rank]
+    flags = np.full((2, dcp, batch, flags_per_row), flag - 2, np.uint32)
+    for source, b in flagged:
+        flags[slot, source, b] = flag
+    device.upload(mine, flags)
+    slot_latents = np.zeros((2, dcp, batch, heads, LATENT), ml_dtypes.bfloat16)
+    slot_latents[slot] = latents
+    device.upload(mine + places["latent"], slot_latents)
+    slot_lses = np.full((2, dcp, batch, heads), np.nan, np.float32)
+    slot_lses[slot] = lses
+    device.upload(mine + places["lse"], slot_lses)
+    out_latent = device.alloc(batch * heads * LATENT * 2, 0xFF)
+    out_lse = device.alloc(batch * heads * 4, 0xFF)
+    error = errors[rank]
+    pointers = (out_latent, out_lse, scalar(device, step), headers[rank], error)
+    sizes = (batch, heads, dcp, CHUNK_HEADS, tile, split, flags_per_row)
+    values = (*pointers, places["latent"], places["lse"], *sizes)
+    types = (ctypes.c_void_p,) * 5 + (ctypes.c_uint64,) * 2 + (ctypes.c_uint32,) * 7
+    device.launch("merge", (-(-heads // CHUNK_HEADS), batch, 1), values, types)
+    device.synchronize()
+    bits = device.download(out_latent, (batch, heads, LATENT), np.uint16)
+    rows = (bits.astype(np.uint32) << 16).view(np.float32)
+    lse = device.download(out_lse, (batch, heads), np.float32)
+    record = device.download(error, (4,), np.uint32)
+    words = device.download(headers[rank], (HEADER_BYTES // 4,), np.uint32)
+    return rows, lse, bits, record, words
+
+
+def partials(rng, dcp, batch, heads):
+    """Random bf16 partial rows and LSEs, with a partial without keys (-inf) and a head
+    without keys anywhere."""
+    latents = rng.normal(0, 1, (dcp, batch, heads, LATENT)).astype(ml_dtypes.bfloat16)
+    lses = rng.normal(3, 4, (dcp, batch, heads)).astype(np.float32)
+    lses[0, 0, 1] = -np.inf
+    lses[:, batch - 1, heads - 1] = -np.inf
+    return latents, lses
+
+
+MERGE_CASES = [(2, 1, 3, 16, 16, 4, 5), (2, 0, 2, 96, 64, 1, 8), (4, 3, 5, 24, 16, 2, 2**31 + 6)]
+
+
+@pytest.mark.parametrize("dcp, rank, batch, heads, tile, split, step", MERGE_CASES)
+def test_merge_matches_numpy(device, dcp, rank, batch, heads, tile, split, step):
+    rng = np.random.default_rng(dcp * 100 + heads)
+    latents, lses = partials(rng, dcp, batch, heads)
+    flagged = [(s, b) for s in range(dcp) for b in range(batch)]
+    rows, lse, _, record, words = run_merge(
+        device, dcp=dcp, rank=rank, batch=batch, heads=heads, tile=tile, split=split,
+        step=step, latents=latents, lses=lses, flagged=flagged,
+    )  # fmt: skip
+    want_rows, want_lse = reference_merge(latents.astype(np.float32), lses)
+    assert np.isfinite(rows).all()
+    # bf16 output: one rounding (2^-8 relative) plus the kernel's ex2.approx / lg2.approx.
+    atol = 1e-5 * np.abs(want_rows).max()
+    np.testing.assert_allclose(rows, want_rows, rtol=2**-7, atol=atol)
+    assert np.array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    finite = np.isfinite(want_lse)
+    lse_err = np.abs(lse[finite] - want_lse[finite])
+    assert (lse_err <= 1e-5 * (1 + np.abs(want_lse[finite]))).all(), lse_err.max()
+    assert (rows[batch - 1, heads - 1] == 0).all()  # a head without keys: zeros and -inf
+    assert record[0] == 0
+    assert words[HAS_LAST_OFFSET // 4] == 1 and words[LAST_STEP_OFFSET // 4] == step % 2**32
+
+
+@pytest.mark.skipif("ptx" not in IMPLEMENTATIONS, reason="the PTX merge is gone")
+def test_dsl_merge_equals_the_ptx_bit_for_bit():
+    results = {}
+    for implementation in ("dsl", "ptx"):
+        device = Device(implementation)
+        for case in MERGE_CASES:
+            dcp, rank, batch, heads, tile, split, step = case
+            latents, lses = partials(np.random.default_rng(1), dcp, batch, heads)
+            flagged = [(s, b) for s in range(dcp) for b in range(batch)]
+            _, lse, bits, _, _ = run_merge(
+                device, dcp=dcp, rank=rank, batch=batch, heads=heads, tile=tile, split=split,
+                step=step, latents=latents, lses=lses, flagged=flagged,
+            )  # fmt: skip
+            results.setdefault(case, []).append((bits, lse.view(np.uint32)))
+    for case, ((dsl_bits, dsl_lse), (ptx_bits, ptx_lse)) in results.items():
+        assert np.array_equal(dsl_bits, ptx_bits), case
+        assert np.array_equal(dsl_lse, ptx_lse), case
+
+
+def test_merge_times_out_to_nan_rows(device):
+    """Source 0 never flags row 0: that row's merge CTAs give up after the timeout, write NaN
+    rows and LSEs and record (1, step, row, source); the other rows merge normally. CTA
+    (0, 0), the one that records a merged step, timed out: the step is not recorded."""
+    dcp, rank, batch, heads, step = 2, 1, 3, 16, 41
+    latents, lses = partials(np.random.default_rng(7), dcp, batch, heads)
+    flagged = [(s, b) for s in range(dcp) for b in range(batch) if (s, b) != (0, 0)]
+    rows, lse, _, record, words = run_merge(
+        device, dcp=dcp, rank=rank, batch=batch, heads=heads, tile=16, split=4, step=step,
+        latents=latents, lses=lses, flagged=flagged, timeout_ns=2_000_000,
+    )  # fmt: skip
+    assert np.isnan(rows[0]).all() and np.isnan(lse[0]).all()
+    want_rows, _ = reference_merge(latents.astype(np.float32), lses)
+    atol = 1e-5 * np.abs(want_rows).max()
+    for b in (1, 2):
+        np.testing.assert_allclose(rows[b], want_rows[b], rtol=2**-7, atol=atol)
+    assert record.tolist() == [1, step, 0, 0]
+    assert words[CLAIMED_OFFSET // 4] == 1
+    assert words[HAS_LAST_OFFSET // 4] == 0
+
+
+# ---- the query gather ----------------------------------------------------------------------
+
+
+def run_gather(device, *, dcp, batch, heads, padded, step, arriving, timeout_ns=2_000_000_000):
+    """Every rank in ``arriving`` runs its gather at once (rank r on stream r) with its own
+    random queries; returns (queries [D, B, H, 576] u8, outputs {rank: [B, Hp, 576] u8},
+    error records {rank: u32[4]})."""
+    places = layout(dcp, batch, heads, 1)
+    _, headers, errors = mailboxes(device, dcp, places, timeout_ns)
+    rng = np.random.default_rng(dcp * 10 + heads)
+    queries = rng.integers(0, 0x7F, (dcp, batch, heads, QUERY_ROW), dtype=np.uint8)
+    outs = {}
+    for r in arriving:
+        mine = device.alloc(queries[r].nbytes)
+        device.upload(mine, queries[r])
+        outs[r] = device.alloc(batch * padded * QUERY_ROW, 0xAB)
+        pointers = (outs[r], mine, scalar(device, r), scalar(device, step), headers[r], errors[r])
+        values = (*pointers, places["query_flags"], places["queries"], batch, heads, dcp, padded)
+        types = (ctypes.c_void_p,) * 6 + (ctypes.c_uint64,) * 2 + (ctypes.c_uint32,) * 4
+        device.launch("gather", (query_chunks(heads), batch, 1), values, types, stream=r)
+    device.synchronize()
+    got = {r: device.download(outs[r], (batch, padded, QUERY_ROW), np.uint8) for r in arriving}
+    records = {r: device.download(errors[r], (4,), np.uint32) for r in arriving}
+    return queries, got, records
+
+
+@pytest.mark.parametrize(
+    "dcp, batch, heads, padded, step", [(2, 3, 16, 48, 3), (4, 2, 24, 96, 2**31 + 1)]
+)
+def test_gather_gives_every_rank_every_head(device, dcp, batch, heads, padded, step):
+    queries, got, records = run_gather(
+        device, dcp=dcp, batch=batch, heads=heads, padded=padded, step=step,
+        arriving=range(dcp),
+    )  # fmt: skip
+    gathered = queries.transpose(1, 0, 2, 3).reshape(batch, dcp * heads, QUERY_ROW)
+    for r in range(dcp):
+        assert np.array_equal(got[r][:, : dcp * heads], gathered), r
+        assert (got[r][:, dcp * heads :] == 0).all(), r  # the decode's padding heads
+        assert records[r][0] == 0
+
+
+def test_gather_times_out_to_nan_heads(device):
+    """Rank 1 of 2 never runs: rank 0 gives up after the timeout, its own heads in place,
+    rank 1's NaN bytes (E4M3 0x7F), and records (4, step, row, source 1)."""
+    dcp, batch, heads, padded, step = 2, 1, 16, 48, 9
+    queries, got, records = run_gather(
+        device, dcp=dcp, batch=batch, heads=heads, padded=padded, step=step, arriving=[0],
+        timeout_ns=2_000_000,
+    )  # fmt: skip
+    assert np.array_equal(got[0][:, :heads], queries[0])
+    assert (got[0][:, heads : 2 * heads] == 0x7F).all()
+    assert (got[0][:, 2 * heads :] == 0).all()
+    assert records[0].tolist() == [4, step, 0, 1]
+
+
+# ---- the whole push step: gather, pushing decode, merge -----------------------------------
+
+
+@pytest.mark.parametrize(
+    "config", [KernelConfig("cluster-mma", 4), KernelConfig("wgmma", 1)], ids=lambda c: c.slug
+)
+def test_push_step_matches_plain_decodes_merged(device, config):
+    """D ranks' whole push step on one GPU, each on its own stream: the query gather, the
+    decode pushing its partials into the owners' mailboxes (the decode kernel's exchange
+    parameters, as the FFI's push target passes them), the merge. Each rank's merged rows
+    must match the plain decodes of the gathered queries on every rank's cache, merged by
+    LSE in numpy (a rank without keys for a row included)."""
+    from cubin_launch import CubinKernel, grid_columns, run_decode
+
+    from jax_sparse_mla.kernel.compile import get_kernel
+
+    dcp, batch, heads, n_rows, width, step = 2, 2, 16, 600, 256, 7
+    padded = -(-dcp * heads // 16) * 16
+    compiled = get_kernel(config)
+    kernel = CubinKernel(compiled.cubin, compiled.meta)
+    flags_per_row = grid_columns(kernel, padded)
+    places = layout(dcp, batch, heads, flags_per_row)
+    _, headers, errors = mailboxes(device, dcp, places, 2_000_000_000)
+    rng = np.random.default_rng(5)
+    queries = rng.uniform(-2, 2, (dcp, batch, heads, QUERY_ROW)).astype(ml_dtypes.float8_e4m3fn)
+    caches = rng.uniform(-2, 2, (dcp, n_rows, QUERY_ROW)).astype(ml_dtypes.float8_e4m3fn)
+    rows = rng.integers(-4, n_rows + 4, (dcp, batch, width)).astype(np.int32)
+    valid = np.array([[width, 0], [37, 200]], np.int32)  # rank 0 has no keys for row 1
+    scales = np.array([576**-0.5 * 1.44269504, 1.25], np.float32)
+    step_ptr = scalar(device, step)
+    outs = []
+    for r in range(dcp):
+        mine = device.alloc(queries[r].nbytes)
+        device.upload(mine, queries[r].view(np.uint8))
+        gathered = device.alloc(batch * padded * QUERY_ROW)
+        rank_ptr = scalar(device, r)
+        pointers = (gathered, mine, rank_ptr, step_ptr, headers[r], errors[r])
+        values = (*pointers, places["query_flags"], places["queries"], batch, heads, dcp, padded)
+        types = (ctypes.c_void_p,) * 6 + (ctypes.c_uint64,) * 2 + (ctypes.c_uint32,) * 4
+        device.launch("gather", (query_chunks(heads), batch, 1), values, types, stream=r)
+        inputs = []
+        for array in (caches[r].view(np.uint8), rows[r], valid[r], scales):
+            inputs.append(device.alloc(array.nbytes))
+            device.upload(inputs[-1], array)
+        exchange = (headers[r], rank_ptr, step_ptr, dcp, heads, places["latent"], places["lse"])
+        kernel.launch(
+            device.stream(r), [gathered, *inputs, 0, 0], (n_rows, width, padded, QUERY_ROW),
+            batch, pdl=False, exchange=exchange,
+        )  # fmt: skip
+        out_latent = device.alloc(batch * heads * LATENT * 2, 0xFF)
+        out_lse = device.alloc(batch * heads * 4, 0xFF)
+        pointers = (out_latent, out_lse, step_ptr, headers[r], errors[r])
+        sizes = (batch, heads, dcp, CHUNK_HEADS, compiled.meta["head_tile"],
+                 compiled.meta["cluster"][0], flags_per_row)  # fmt: skip
+        values = (*pointers, places["latent"], places["lse"], *sizes)
+        types = (ctypes.c_void_p,) * 5 + (ctypes.c_uint64,) * 2 + (ctypes.c_uint32,) * 7
+        device.launch("merge", (-(-heads // CHUNK_HEADS), batch, 1), values, types, stream=r)
+        outs.append((out_latent, out_lse))
+    device.synchronize()
+    for r in range(dcp):
+        assert device.download(errors[r], (4,), np.uint32)[0] == 0, r
+
+    q_all = np.zeros((batch, padded, QUERY_ROW), ml_dtypes.float8_e4m3fn)
+    q_all[:, : dcp * heads] = queries.transpose(1, 0, 2, 3).reshape(batch, dcp * heads, -1)
+    partials = [
+        run_decode(device.context, kernel, q_all, caches[s], rows[s], valid[s], scales)
+        for s in range(dcp)
+    ]
+    for r, (out_latent, out_lse) in enumerate(outs):
+        own = slice(r * heads, (r + 1) * heads)
+        latents = np.stack([(bits[:, own].astype(np.uint32) << 16).view(np.float32)
+                            for bits, _ in partials])  # fmt: skip
+        lses = np.stack([lse[:, own] for _, lse in partials])
+        want_rows, want_lse = reference_merge(latents, lses)
+        bits = device.download(out_latent, (batch, heads, LATENT), np.uint16)
+        rows_out = (bits.astype(np.uint32) << 16).view(np.float32)
+        lse = device.download(out_lse, (batch, heads), np.float32)
+        atol = 1e-5 * np.abs(want_rows).max()
+        np.testing.assert_allclose(rows_out, want_rows, rtol=2**-7, atol=atol)
+        finite = np.isfinite(want_lse)
+        assert np.array_equal(np.isneginf(lse), np.isneginf(want_lse)), r
+        lse_err = np.abs(lse[finite] - want_lse[finite])
+        assert (lse_err <= 1e-5 * (1 + np.abs(want_lse[finite]))).all(), lse_err.max()
