@@ -271,7 +271,11 @@ LOOP_SCRIPT = textwrap.dedent(
     """
     import json, sys, time
     import jax, jax.numpy as jnp, numpy as np
-    sys.path.insert(0, sys.argv[1])
+    # The package the test process imported (an installed wheel or the checkout), then the
+    # checkout for the test module.
+    sys.path[:0] = [sys.argv[2], sys.argv[1]]
+    import jax_sparse_mla
+    assert jax_sparse_mla.__file__ == sys.argv[3], (jax_sparse_mla.__file__, sys.argv[3])
     from tests.gpu.test_ffi_gpu import _decode, _inputs
     from jax_sparse_mla import cuda_lowering
 
@@ -329,8 +333,9 @@ def test_loops_with_command_buffers_are_identical():
         + " --xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
     )
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    package_parent = os.path.dirname(os.path.dirname(jax_sparse_mla.__file__))
     done = subprocess.run(
-        [sys.executable, "-c", LOOP_SCRIPT, root],
+        [sys.executable, "-c", LOOP_SCRIPT, root, package_parent, jax_sparse_mla.__file__],
         env=env,
         capture_output=True,
         text=True,
