@@ -1,7 +1,8 @@
-"""Test setup: 8 virtual CPU devices (for shard_map tests), the `gpu` marker, and the loader of
-the repository's scripts (examples/, benchmarks/) as modules."""
+"""Test setup: 8 virtual CPU devices (for shard_map tests), the `gpu` marker, the GPU tests'
+hang watchdog, and the loader of the repository's scripts (examples/, benchmarks/) as modules."""
 
 import contextlib
+import faulthandler
 import importlib.util
 import os
 import sys
@@ -28,6 +29,34 @@ def _has_cuda_gpu() -> bool:
         return len(jax.devices("gpu")) > 0
     except RuntimeError:
         return False
+
+
+# A hung kernel cannot be interrupted from Python: a GPU test still running after this many
+# seconds dumps every thread's stack (the test's own frame names it) and ends the process, so
+# a hang fails fast and says where instead of holding the GPU until an outer timeout.
+GPU_WATCHDOG_S = float(os.environ.get("JAX_SPARSE_MLA_GPU_WATCHDOG_S", "900"))
+
+
+@contextlib.contextmanager
+def hang_watchdog(seconds: float):
+    """Dump every thread's stack to stderr and exit the process (status 1) if the block is
+    still running after ``seconds``; nothing when ``seconds`` <= 0."""
+    if seconds <= 0:
+        yield
+        return
+    faulthandler.dump_traceback_later(seconds, exit=True, file=sys.__stderr__)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture(autouse=True)
+def gpu_hang_watchdog(request):
+    """Every `gpu`-marked test runs under hang_watchdog(GPU_WATCHDOG_S)."""
+    seconds = GPU_WATCHDOG_S if "gpu" in request.keywords else 0
+    with hang_watchdog(seconds):
+        yield
 
 
 def pytest_collection_modifyitems(config, items):
