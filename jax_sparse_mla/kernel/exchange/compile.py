@@ -17,6 +17,7 @@ from jax_sparse_mla.kernel.exchange.config import ARCH, ExchangeKernel
 _SOURCES = (
     *sorted(pathlib.Path(__file__).resolve().parent.glob("*.py")),
     pathlib.Path(kernel_compile.__file__).resolve().parent / "ptx.py",
+    pathlib.Path(kernel_compile.__file__).resolve().parent / "config.py",  # constants it takes
 )
 _MEMORY: dict[ExchangeKernel, kernel_compile.CompiledKernel] = {}
 

@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import dataclasses
 
-ARCH = "sm_90a"
+from jax_sparse_mla.kernel import config as decode
+
+# The decode's config owns what the decode kernels also use: the arch, the latent width, the
+# query row and the header words they read.
+ARCH, LATENT, QUERY_ROW = decode.ARCH, decode.LATENT, decode.ROW
+RANK_OFFSET = decode.HEADER_RANK
+HAS_LAST_OFFSET = decode.HEADER_HAS_LAST
+LAST_STEP_OFFSET = decode.HEADER_LAST_STEP
+
 THREADS = 256  # per CTA, both kernels
-LATENT = 512  # merged columns of a head (bf16)
-QUERY_ROW = 576  # bytes of an FP8 query head
 QUERY_UNITS = QUERY_ROW // 16  # 16-byte units of a query head
 
-# Header (bytes): u64 data[16] (every rank's data region, by rank), then these words.
-RANK_OFFSET = 128  # u32 this device's rank
-HAS_LAST_OFFSET = 132  # u32 an exchange ran since setup
-LAST_STEP_OFFSET = 136  # u32 its step
+# Header (bytes): u64 data[16] (every rank's data region, by rank), then the words at
+# RANK_OFFSET, HAS_LAST_OFFSET, LAST_STEP_OFFSET (128, 132, 136: kernel/config.py) and these.
 CLAIMED_OFFSET = 140  # u32 elects the writer of the error record
 TIMEOUT_OFFSET = 144  # u64 ns a wait may take
 
