@@ -72,6 +72,8 @@ PARAM_TYPES = ("u64",) * 7 + ("u32",) * 4 + ("u64",) * 3 + ("u32",) * 4
 HEADER_RANK = 128  # u32 this device's rank
 HEADER_HAS_LAST = 132  # u32 an exchange ran since dcp_setup
 HEADER_LAST_STEP = 136  # u32 its step
+HEADER_CLAIMED = 140  # u32 elects the writer of the error record
+HEADER_ERROR_RECORD = 152  # u64 the host-mapped error record's device address
 MAX_BATCH = 65535  # the grid's y extent
 
 

@@ -12,6 +12,8 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import arith, llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from jax_sparse_mla.kernel.config import HEADER_CLAIMED, HEADER_ERROR_RECORD
+
 
 def _asm(results, operands, code, constraints, volatile, loc, ip):
     """One llvm.inline_asm; ``results`` is None, one type or a list of types."""
@@ -401,8 +403,8 @@ def record_refusal(header, code_value, step, rank, *, loc=None, ip=None) -> None
     (layout: ffi/dcp_exchange.cc)."""
     code = (
         "{ .reg .pred p; .reg .b32 old; .reg .b64 record; "
-        "atom.global.cas.b32 old, [$0+140], 0, 1; setp.eq.u32 p, old, 0; "
-        "ld.global.u64 record, [$0+152]; "
+        f"atom.global.cas.b32 old, [$0+{HEADER_CLAIMED}], 0, 1; setp.eq.u32 p, old, 0; "
+        f"ld.global.u64 record, [$0+{HEADER_ERROR_RECORD}]; "
         "@p st.relaxed.sys.global.u32 [record+4], $2; "
         "@p st.relaxed.sys.global.u32 [record+8], 0; "
         "@p st.relaxed.sys.global.u32 [record+12], $3; "

@@ -25,8 +25,9 @@ THREADS = 256  # per CTA, both kernels
 QUERY_UNITS = QUERY_ROW // 16  # 16-byte units of a query head
 
 # Header (bytes): u64 data[16] (every rank's data region, by rank), then the words at
-# RANK_OFFSET, HAS_LAST_OFFSET, LAST_STEP_OFFSET (128, 132, 136: kernel/config.py) and these.
-CLAIMED_OFFSET = 140  # u32 elects the writer of the error record
+# RANK_OFFSET, HAS_LAST_OFFSET, LAST_STEP_OFFSET, CLAIMED_OFFSET (128 .. 140: kernel/config.py)
+# and these.
+CLAIMED_OFFSET = decode.HEADER_CLAIMED  # u32 elects the writer of the error record
 TIMEOUT_OFFSET = 144  # u64 ns a wait may take
 
 # Error codes (kept in sync with dcp_exchange.cc and the decode kernels).

@@ -8,6 +8,7 @@ from __future__ import annotations
 from cutlass import Float32, Int32, Int64
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from jax_sparse_mla.kernel.exchange.config import CLAIMED_OFFSET
 from jax_sparse_mla.kernel.ptx import _asm, _f32, _i32, _i64
 
 
@@ -88,7 +89,7 @@ def record_error(header, record, code_value, step, row, source, *, loc=None, ip=
     (a reader that sees the code sees the rest)."""
     code = (
         "{ .reg .pred p; .reg .b32 old; "
-        "atom.global.cas.b32 old, [$0+140], 0, 1; setp.eq.u32 p, old, 0; "
+        f"atom.global.cas.b32 old, [$0+{CLAIMED_OFFSET}], 0, 1; setp.eq.u32 p, old, 0; "
         "@p st.relaxed.sys.global.u32 [$1+4], $3; "
         "@p st.relaxed.sys.global.u32 [$1+8], $4; "
         "@p st.relaxed.sys.global.u32 [$1+12], $5; "
