@@ -13,7 +13,10 @@ driver (cuda.bindings) with the cluster dims but without PDL, so launches serial
 around a replay of that graph give the time per launch (the graph's launch gaps included, the
 same for all variants; launched one by one from Python, small kernels measured the host's
 ~18-30 us per launch instead). After one untimed round, the variants are interleaved over
-``--repeats`` rounds; the median is reported with the [min, max] spread. Meant for
+``--repeats`` rounds; the median is reported with the [min, max] spread. With ``--push``
+the kernels run as under dcp_decode(exchange="push") with D = 1: each CTA stores its rows into
+a mailbox on this GPU (the owner of every head) and releases its flag, as the FFI's push
+target asks (no merge runs; the rows compared are the mailbox's). Meant for
 comparing kernel variants with each other, not for absolute latency
 (benchmarks/bench_decode.py measures that through JAX). Each variant's outputs of one more
 launch are compared with the first variant's (max differences, NaN count): a check that the
@@ -32,10 +35,11 @@ import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "gpu"))
-from cubin_launch import Buffer, Context, CubinKernel, check
+from cubin_launch import Buffer, Context, CubinKernel, check, grid_columns
 from cuda.bindings import driver as cu
 
 CACHE_ROWS, WIDTH = 131072, 2048
+HEADER_BYTES, LATENT = 256, 512  # the mailbox header (ffi/dcp_exchange.cc), latent columns
 
 
 def _shape(text: str) -> tuple[int, int, int]:
@@ -65,19 +69,56 @@ def inputs(batch: int, heads: int, keys: int) -> list[Buffer]:
     ]
 
 
+class OneGpuMailbox:
+    """A push target of D = 1 (this GPU owns every head): a zeroed header (rank 0, no
+    previous exchange) listing one data region of the layout the FFI's push target gives
+    (flags, then the latent rows, then the LSEs; slot 0 only, step 0)."""
+
+    def __init__(self, batch: int, heads: int, flags_per_row: int):
+        self.batch, self.heads = batch, heads
+        self.latent_offset = -(-4 * 2 * batch * flags_per_row // 256) * 256
+        self.lse_offset = self.latent_offset + 2 * batch * heads * LATENT * 2
+        self.region = Buffer(np.zeros(self.lse_offset + 2 * batch * heads * 4, np.uint8))
+        header = np.zeros(HEADER_BYTES, np.uint8)
+        header[:8].view(np.uint64)[0] = self.region.address
+        self.header = Buffer(header)
+        self.rank, self.step = Buffer(np.zeros(1, np.int32)), Buffer(np.zeros(1, np.int32))
+
+    def exchange(self) -> tuple:
+        """cubin_launch's exchange parameters."""
+        return (self.header.address, self.rank.address, self.step.address, 1, self.heads,
+                self.latent_offset, self.lse_offset)  # fmt: skip
+
+    def results(self):
+        """Slot 0's (latent as float32, lse)."""
+        data = self.region.download()
+        rows = self.batch * self.heads
+        latent = data[self.latent_offset : self.latent_offset + rows * LATENT * 2]
+        lse = data[self.lse_offset : self.lse_offset + rows * 4]
+        latent = (latent.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+        shape = (self.batch, self.heads)
+        return latent.reshape(*shape, LATENT), lse.view(np.float32).reshape(shape)
+
+    def free(self) -> None:
+        for buffer in (self.region, self.header, self.rank, self.step):
+            buffer.free()
+
+
 class GraphOfLaunches:
     """``launches`` back-to-back launches of one kernel (no PDL), captured into a CUDA graph
     on the context's stream: replaying it times the kernels, not Python's launch calls."""
 
-    def __init__(self, context: Context, kernel: CubinKernel, launch_args: tuple, launches: int):
+    def __init__(
+        self, context: Context, kernel: CubinKernel, launch_args: tuple, launches: int, exchange
+    ):
         self.context, self.launches = context, launches
         stream = context.stream
-        kernel.launch(stream, *launch_args, pdl=False)  # loaded before the capture
+        kernel.launch(stream, *launch_args, pdl=False, exchange=exchange)  # loaded before capture
         context.synchronize()
         mode = cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_THREAD_LOCAL
         check(cu.cuStreamBeginCapture(stream, mode))
         for _ in range(launches):
-            kernel.launch(stream, *launch_args, pdl=False)
+            kernel.launch(stream, *launch_args, pdl=False, exchange=exchange)
         self.graph = check(cu.cuStreamEndCapture(stream))
         self.executable = check(cu.cuGraphInstantiate(self.graph, 0))
 
@@ -99,14 +140,18 @@ class GraphOfLaunches:
         check(cu.cuGraphDestroy(self.graph))
 
 
-def run_once(context: Context, kernel: CubinKernel, buffers: list[Buffer], launch_args):
-    """One launch on NaN-filled outputs: (latent as float32, lse), to check that variants
-    agree (a variant that computes something else shows here, not only in its time)."""
+def run_once(context: Context, kernel: CubinKernel, buffers: list[Buffer], launch_args, mailbox):
+    """One launch on NaN-filled outputs (the mailbox's rows with --push): (latent as float32,
+    lse), to check that variants agree (a variant that computes something else shows here,
+    not only in its time)."""
     latent_buffer, lse_buffer = buffers[5], buffers[6]
-    latent_buffer.fill(0xFF)
-    lse_buffer.fill(0xFF)
-    kernel.launch(context.stream, *launch_args, pdl=False)
+    for buffer in (latent_buffer, lse_buffer) if mailbox is None else (mailbox.region,):
+        buffer.fill(0xFF)
+    exchange = None if mailbox is None else mailbox.exchange()
+    kernel.launch(context.stream, *launch_args, pdl=False, exchange=exchange)
     check(cu.cuStreamSynchronize(context.stream))
+    if mailbox is not None:
+        return mailbox.results()
     latent = (latent_buffer.download().astype(np.uint32) << 16).view(np.float32)
     return latent, lse_buffer.download()
 
@@ -124,6 +169,11 @@ def main() -> None:
     )
     parser.add_argument("--launches", type=int, default=500)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--push",
+        action="store_true",
+        help="launch as under dcp_decode(exchange='push') with D = 1 (rows into a mailbox)",
+    )
     args = parser.parse_args()
     shapes = args.shape or [(5, 96, 256), (5, 128, 256), (5, 128, 2048), (64, 128, 2048)]
     context = Context()
@@ -133,14 +183,22 @@ def main() -> None:
         variants[f"{path.parent.name}/{path.stem}"] = CubinKernel(path.read_bytes(), meta)
     if not variants:
         raise SystemExit(f"no *.cubin in {[str(d) for d in args.dirs]}")
-    print(f"{len(variants)} variant(s); {args.launches} launches x {args.repeats} rounds each")
+    print(
+        f"{len(variants)} variant(s); {args.launches} launches x {args.repeats} rounds each"
+        + ("; pushing into a one-GPU mailbox (D = 1)" if args.push else "")
+    )
     for batch, heads, keys in shapes:
         buffers = inputs(batch, heads, keys)
         pointers = [b.address for b in buffers]
         sizes = (CACHE_ROWS, WIDTH, heads, 576)
         launch_args = (pointers, sizes, batch)
+        mailbox = None
+        if args.push:
+            flags_per_row = max(grid_columns(kernel, heads) for kernel in variants.values())
+            mailbox = OneGpuMailbox(batch, heads, flags_per_row)
+        exchange = None if mailbox is None else mailbox.exchange()
         graphs = {
-            name: GraphOfLaunches(context, kernel, launch_args, args.launches)
+            name: GraphOfLaunches(context, kernel, launch_args, args.launches, exchange)
             for name, kernel in variants.items()
         }
         times = {name: [] for name in variants}
@@ -152,7 +210,7 @@ def main() -> None:
         for graph in graphs.values():
             graph.free()
         outputs = {
-            name: run_once(context, kernel, buffers, launch_args)
+            name: run_once(context, kernel, buffers, launch_args, mailbox)
             for name, kernel in variants.items()
         }
         first = next(iter(outputs.values()))
@@ -168,6 +226,8 @@ def main() -> None:
             print(f"  {statistics.median(values):9.3f} us/launch {spread:>18}  {name}  ({differs})")
         for buffer in buffers:
             buffer.free()
+        if mailbox is not None:
+            mailbox.free()
 
 
 if __name__ == "__main__":
