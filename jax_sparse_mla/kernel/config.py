@@ -39,7 +39,10 @@ LIVE_OFFSET = RED_OFFSET + 2 * QK_WARPS * HEADS * 4  # [STAGES, CHUNK] i32: key 
 INBOX_OFFSET = LIVE_OFFSET + STAGES * CHUNK * 4
 STATS_OFFSET = INBOX_OFFSET + HEADS * LATENT * 4  # [split, 2, HEADS] f32: (max, sum)
 BAR_OFFSET = STATS_OFFSET + MAX_SPLIT * 2 * HEADS * 4  # u64 mbarriers: STAGES chunks, inbound
-SMEM_BYTES = BAR_OFFSET + 8 * (STAGES + 1)
+# [QK_WARPS / 2 warps, 32 lanes, 4] f32: a short chunk's QK partials of warps QK_WARPS / 2 ..
+# (sparse_decode's split of the k32 steps over warp pairs).
+PART_OFFSET = (BAR_OFFSET + 8 * (STAGES + 1) + 15) // 16 * 16
+SMEM_BYTES = PART_OFFSET + (QK_WARPS // 2) * 32 * 4 * 4
 
 
 ARCH = "sm_90a"

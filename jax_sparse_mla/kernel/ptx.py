@@ -238,6 +238,15 @@ def ldmatrix_x4(addr, *, loc=None, ip=None) -> tuple:
     return tuple(Int32(w) for w in words)
 
 
+@dsl_user_op
+def ldmatrix_x2(addr, *, loc=None, ip=None) -> tuple:
+    """ldmatrix x2 (b16): two 8x16-byte tiles, lanes 8 i .. 8 i + 7 (i < 2) address tile i's
+    rows (the other lanes' addresses are not used)."""
+    code = "ldmatrix.sync.aligned.m8n8.x2.shared.b16 {$0, $1}, [$2];"
+    words = _asm([T.i32()] * 2, [_i32(addr, loc, ip)], code, "=r,=r,r", True, loc, ip)
+    return tuple(Int32(w) for w in words)
+
+
 # ---- arithmetic --------------------------------------------------------------------------
 
 

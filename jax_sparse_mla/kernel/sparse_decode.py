@@ -44,6 +44,7 @@ from jax_sparse_mla.kernel.config import (
     LOG2_P_SCALE,
     P_OFFSET,
     P_PITCH,
+    PART_OFFSET,
     PITCH,
     Q_OFFSET,
     QK_CHAINS,
@@ -62,6 +63,12 @@ from jax_sparse_mla.kernel.entry import DecodeKernel
 
 assert QK_WARPS == WARPS == HEADS and CHUNK % 32 == 0 and SLOTS <= 32
 QUERY_STEPS = -(-HEADS * (ROW // 16) // THREADS)  # 16-byte query pieces per thread
+# A chunk of <= CHUNK / 2 keys (the latency shapes' 64 keys per CTA): warp pairs (w, w + PAIRS)
+# split its QK's 18 k32 steps, so every warp works instead of half of them.
+PAIRS = QK_WARPS // 2
+HALF_STEPS = ROW // 32 // 2  # 9 k32 steps per half (the last one by ldmatrix x2)
+HALF_BYTES = 32 * HALF_STEPS
+assert CHUNK // 2 == 8 * PAIRS and HALF_STEPS % 2 == 1
 
 
 def transpose4(w):
@@ -118,6 +125,7 @@ class SparseDecode(DecodeKernel):
         sRed, sLive = base + RED_OFFSET, base + LIVE_OFFSET
         sInbox, sStats = base + INBOX_OFFSET, base + STATS_OFFSET
         bar, inbound = base + BAR_OFFSET, base + BAR_OFFSET + 8 * STAGES
+        sPart = base + PART_OFFSET
 
         tid, _, _ = cute.arch.thread_idx()
         x, b, _ = cute.arch.block_idx()
@@ -205,7 +213,24 @@ class SparseDecode(DecodeKernel):
             # ---- QK: warp w, keys 8 w .. 8 w + 7 -------------------------------------
             s = cute.make_rmem_tensor((4,), Float32)
             s.fill(0.0)
-            if 8 * warp < span:
+            if span <= CHUNK // 2:
+                # A short chunk on all 16 warps: warps w and w + 8 take keys 8 (w % 8) .. + 7,
+                # each half of the k32 steps; the second half's partial S goes to warp w % 8
+                # through sPart (one more CTA barrier). Warps 8-15 keep a partial in s: their
+                # keys 64 .. are past the span, dead in sLive, so it never counts.
+                pair, half = warp % PAIRS, warp // PAIRS
+                if 8 * pair < span:
+                    self.qk_half(sQ, sKVc, s, pair, half, lane, a_row, a_col)
+                    if half == 1:
+                        ptx.store_shared_v4_f32(
+                            sPart + (pair * 32 + lane) * 16, tuple(s[e] for e in range(4))
+                        )
+                cute.arch.sync_threads()  # the partials are in sPart
+                if (half == 0) & (8 * pair < span):
+                    other = ptx.load_shared_v4_f32(sPart + (pair * 32 + lane) * 16)
+                    for e in cutlass.range_constexpr(4):
+                        s[e] = s[e] + other[e]
+            elif 8 * warp < span:
                 parts = cute.make_rmem_tensor((QK_CHAINS, 4), Float32)
                 parts.fill(0.0)
                 for kp in cutlass.range_constexpr(ROW // 64):
@@ -347,6 +372,41 @@ class SparseDecode(DecodeKernel):
             cute.arch.sync_threads()  # the CTA's own partial and stats are in place
             self.merge(mScales, dest, sInbox, sStats, tile, part, tid)
         self.finish_push(dest, x, tile, HEADS, tid)
+
+    @cute.jit
+    def qk_half(self, sQ, sKVc, s, pair, half, lane, a_row, a_col):
+        """Into s, the partial S (this thread's 4 values) of keys
+        8 pair .. 8 pair + 7 over k32 steps 9 half .. 9 half + 8 (row bytes 288 half ..),
+        in QK_CHAINS chains summed at the end."""
+        b_row = 8 * pair + lane % 8
+        b_col = 16 * (lane // 8)
+        base = half * HALF_BYTES
+        parts = cute.make_rmem_tensor((QK_CHAINS, 4), Float32)
+        parts.fill(0.0)
+        for kp in cutlass.range_constexpr(HALF_STEPS // 2):
+            k = ptx.ldmatrix_x4(sKVc + b_row * PITCH + base + 64 * kp + b_col)
+            for h in cutlass.range_constexpr(2):
+                ks = 2 * kp + h
+                a = ptx.ldmatrix_x4(sQ + a_row * PITCH + base + 32 * ks + a_col)
+                chain = ks % QK_CHAINS
+                prev = tuple(parts[chain, e] for e in range(4))
+                d = ptx.mma_e4m3(a, (k[2 * h], k[2 * h + 1]), prev)
+                for e in cutlass.range_constexpr(4):
+                    parts[chain, e] = d[e]
+        # The odd last step: its 32 bytes of the 8 keys (ldmatrix x2, lanes 0-15 address).
+        last = HALF_STEPS - 1
+        k = ptx.ldmatrix_x2(sKVc + b_row * PITCH + base + 32 * last + b_col)
+        a = ptx.ldmatrix_x4(sQ + a_row * PITCH + base + 32 * last + a_col)
+        chain = last % QK_CHAINS
+        prev = tuple(parts[chain, e] for e in range(4))
+        d = ptx.mma_e4m3(a, (k[0], k[1]), prev)
+        for e in cutlass.range_constexpr(4):
+            parts[chain, e] = d[e]
+        for e in cutlass.range_constexpr(4):
+            total = parts[0, e]
+            for chain in cutlass.range_constexpr(1, QK_CHAINS):
+                total = total + parts[chain, e]
+            s[e] = total
 
     @cute.jit
     def load_row(self, rows_base, limit, c, lane, slot):
