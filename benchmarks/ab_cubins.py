@@ -38,8 +38,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "
 from cubin_launch import Buffer, Context, CubinKernel, check, grid_columns
 from cuda.bindings import driver as cu
 
+from jax_sparse_mla.kernel.config import LATENT
+
 CACHE_ROWS, WIDTH = 131072, 2048
-HEADER_BYTES, LATENT = 256, 512  # the mailbox header (ffi/dcp_exchange.cc), latent columns
+HEADER_BYTES = 256  # the mailbox header (ffi/dcp_exchange.cc's kHeaderBytes)
 
 
 def _shape(text: str) -> tuple[int, int, int]:
