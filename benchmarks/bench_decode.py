@@ -9,8 +9,10 @@ through jax.jit on the same inputs: the kernel as the dispatch rule picks it (an
 --configs, each config forced) and the jnp reference. Kernel times come from JAX's profiler
 (CUPTI kernel durations, split per call; see gpu_profile.py), median and p10/p90 over
 --calls calls. The kernel path is
-implementation="cute": it fails loudly rather than fall back to the reference. Writes
-results.json, results.csv and latency_vs_keys.png into --out.
+implementation="cute": it fails loudly rather than fall back to the reference. Where issue #28
+measured FlashMLA at the same shape (its SM90 sparse FP8 decode + combine as one span, on an
+H200, 2026-12-01: not this run), that anchor is printed next to the kernel with ours / anchor.
+Writes results.json, results.csv and latency_vs_keys.png into --out.
 """
 
 from __future__ import annotations
@@ -45,6 +47,16 @@ CASES = {  # name -> (batch B, query heads H, width K), DESIGN.md section 4
     "rank-full": (5, 128, 2048),
     "throughput": (64, 128, 2048),
 }
+# FlashMLA's GPU time (us) by (B, H, valid keys), H=64..128 heads over 2048 index slots:
+# issue #28's table (H200, 2026-12-01, FlashMLA's SM90 sparse FP8 decode + combine as a span).
+FLASHMLA_US = {
+    (5, 64, 256): 12.13,
+    (5, 96, 256): 12.41,
+    (1, 128, 256): 12.00,
+    (5, 128, 2048): 23.54,
+    (64, 128, 2048): 107.76,
+    (128, 128, 2048): 211.24,
+}
 CASE_KEYS = {  # valid keys per row of each named case
     "latency-h64": 256,
     "latency-h96": 256,
@@ -52,6 +64,11 @@ CASE_KEYS = {  # valid keys per row of each named case
     "rank-full": 2048,
     "throughput": 2048,
 }
+
+
+def flashmla_us(batch, heads, width, keys) -> float | None:
+    """FlashMLA's time at this shape, None where issue #28 did not measure it."""
+    return FLASHMLA_US.get((batch, heads, keys)) if width == 2048 else None
 
 
 def make_inputs(batch, heads, width, keys, seed=0):
@@ -119,6 +136,7 @@ def measure(name, batch, heads, width, keys, calls, configs, sm_count):
         "kernel_TFLOPs": flops / (k["median"] * 1e-6) / 1e12,
         "baseline_TFLOPs": flops / (b["median"] * 1e-6) / 1e12,
         "bandwidth_floor_us": floor_us,
+        "flashmla_us": flashmla_us(batch, heads, width, keys),
         "max_abs_diff_vs_reference": err,
         "max_lse_diff_vs_reference": lse_err,
     }
@@ -156,13 +174,16 @@ def write_outputs(results, out_dir):
         "kernel_GBps",
         "kernel_TFLOPs",
         "bandwidth_floor_us",
+        "flashmla_us",
     ]
     with open(os.path.join(out_dir, "results.csv"), "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(fields)
         for r in results:
             row = [r[k]["median"] if isinstance(r[k], dict) else r[k] for k in fields]
-            writer.writerow([f"{v:.4g}" if isinstance(v, float) else v for v in row])
+            writer.writerow(
+                ["" if v is None else f"{v:.4g}" if isinstance(v, float) else v for v in row]
+            )
     sweep = [r for r in results if r["case"].startswith("keys-")]
     if not sweep:
         return
@@ -191,7 +212,19 @@ def write_outputs(results, out_dir):
     fig.savefig(os.path.join(out_dir, "latency_vs_keys.png"), dpi=120)
 
 
-def main() -> int:
+def anchor_text(result) -> str:
+    """The FlashMLA anchor's line for a result, or "" where issue #28 did not measure it."""
+    anchor = result["flashmla_us"]
+    if anchor is None:
+        return ""
+    ours = result["kernel_us"]["median"]
+    return (
+        f"    FlashMLA {anchor:.2f} us (H200, 2026-12-01, issue #28; not this run): "
+        f"ours / FlashMLA {ours / anchor:.2f}"
+    )
+
+
+def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results", help="folder for the results")
     parser.add_argument(
@@ -240,7 +273,7 @@ def main() -> int:
         "cluster split; wgmma<split>: the warpgroup-MMA variant at that cluster split)",
     )
     parser.add_argument("--calls", type=int, default=200, help="profiled calls per path")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("bench_decode needs a GPU: the kernel path does not run on", jax.default_backend())
         return 2
@@ -263,6 +296,8 @@ def main() -> int:
             f"(dispatch: {r['dispatch']})",
             flush=True,
         )
+        if anchor_text(r):
+            print(anchor_text(r), flush=True)
         for slug, c in r["by_config"].items():
             t = c["kernel_us"]
             print(
