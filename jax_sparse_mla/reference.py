@@ -8,15 +8,17 @@ What it models of the kernel:
 - Logits in log2 units: s = (q.k) * scale_log2, scale_log2 = softmax_scale * q_scale *
   kv_scale * log2(e).
 - P = exp2((s - max) + log2(448)) in FP32; the softmax sums are FP32 sums of this
-  *unquantized* P; the P that multiplies V is P rounded to E4M3 (RN, saturating at 448).
+  *unquantized* P; the P that multiplies V is P rounded to F16 (RN; P <= 448 always fits),
+  as both kernel variants round it.
 - FP32 accumulation of P x V, then one BF16 rounding of acc * kv_scale / sum.
 - LSE = (max + log2(sum / 448)) * ln 2: the natural log of sum(exp(logits)).
 
-What it does not model: the kernel anchors the E4M3 P at the running max of each CTA's share
-of the keys and of each chunk (rescaling earlier chunks in FP32 when the max rises), and merges
-the CTAs' partials in FP32; here P is anchored at the row's global max. The sums are also taken
-in another order. Both differ from the kernel by rounding only: a few E4M3 ulps of P (~6%
-relative per key, averaging out over keys) and FP32 summation order.
+What it does not model: the kernels anchor P at the running max of each CTA's share of the
+keys and of each chunk (rescaling earlier chunks in FP32 when the max rises), and merge the
+CTAs' partials in FP32 (after rounding each to F16 where split > 1); here P is anchored at the
+row's global max. The sums are also taken in another order. Both differ from the kernels by
+rounding only: an F16 ulp of P (2^-11 relative per key, averaging out over keys), the F16
+partials and FP32 summation order.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 
 from jax_sparse_mla import index_validation, validation
 
-LOG2_P_SCALE = math.log2(448.0)  # P is quantized at 448 (the E4M3 maximum) of the row max
+LOG2_P_SCALE = math.log2(448.0)  # P is scaled to 448 at the row max, as the kernels do
 HIGHEST = jax.lax.Precision.HIGHEST  # FP32 products on GPUs too (no TF32)
 
 
@@ -58,8 +60,8 @@ def decode_flat(q, kv, rows, valid, scales):
     # log2 448) would round upwards (and overflow exp2).
     p = jnp.exp2((s - top[..., None]) + LOG2_P_SCALE)  # exactly 0 for skipped keys
     total = jnp.sum(p, axis=-1)
-    p8 = jnp.minimum(p, 448.0).astype(validation.FP8).astype(jnp.float32)  # RN, satfinite
-    acc = jnp.einsum("bhk,bkc->bhc", p8, keys[..., : validation.LATENT], precision=HIGHEST)
+    p16 = p.astype(jnp.float16).astype(jnp.float32)  # RN
+    acc = jnp.einsum("bhk,bkc->bhc", p16, keys[..., : validation.LATENT], precision=HIGHEST)
     safe_total = jnp.where(empty, 1.0, total)
     latent = jnp.where(empty[..., None], 0.0, acc * (out_scale / safe_total)[..., None])
     lse2 = (top - LOG2_P_SCALE) + jnp.log2(safe_total)

@@ -28,8 +28,9 @@ def truth_decode(q, kv, rows, valid, *, softmax_scale, q_scale=1.0, kv_scale=1.0
     """Exact softmax attention in float64 over each row's live keys.
 
     Returns latent [B, H, 512], lse [B, H] (natural log; -inf for empty rows), and an error
-    bound [B, H, 512] for an implementation that rounds P to E4M3 at 448 of any running max
-    not above the row max (|dP| <= max(P/16, 2**-10) in those units) and the output to BF16.
+    bound [B, H, 512] for an implementation that rounds P to E4M3 (or finer: the kernels and
+    the reference round it to F16) at 448 of any running max not above the row max (|dP| <=
+    max(P/16, 2**-10) in those units) and the output to BF16.
     """
     q = np.asarray(q).astype(np.float64)
     kv = np.asarray(kv).astype(np.float64).reshape(-1, 576)

@@ -223,14 +223,6 @@ def store_shared_f32(addr, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def store_e4m3_pair(addr, low, high, *, loc=None, ip=None) -> None:
-    """E4M3 (satfinite, RN) of ``low``, ``high`` as two bytes of shared memory."""
-    code = "{ .reg .b16 pair; cvt.rn.satfinite.e4m3x2.f32 pair, $2, $1; st.shared.b16 [$0], pair; }"
-    operands = [_i32(addr, loc, ip), _f32(low, loc, ip), _f32(high, loc, ip)]
-    _asm(None, operands, code, "r,f,f,~{memory}", True, loc, ip)
-
-
-@dsl_user_op
 def ldmatrix_x4(addr, *, loc=None, ip=None) -> tuple:
     """ldmatrix x4 (b16): four 8x16-byte tiles, lanes 8 i .. 8 i + 7 address tile i's rows."""
     code = "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];"
@@ -255,6 +247,19 @@ def mma_e4m3(a, b, c, *, loc=None, ip=None) -> tuple:
     """mma.sync m16n8k32 E4M3 x E4M3 + FP32: a 4 words, b 2 words, c 4 floats -> 4 floats."""
     code = (
         "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
+        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};"
+    )
+    operands = [_i32(x, loc, ip) for x in (*a, *b)] + [_f32(x, loc, ip) for x in c]
+    constraints = "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f"
+    values = _asm([T.f32()] * 4, operands, code, constraints, False, loc, ip)
+    return tuple(Float32(v) for v in values)
+
+
+@dsl_user_op
+def mma_f16(a, b, c, *, loc=None, ip=None) -> tuple:
+    """mma.sync m16n8k16 F16 x F16 + FP32: a 4 words, b 2 words, c 4 floats -> 4 floats."""
+    code = (
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
         "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};"
     )
     operands = [_i32(x, loc, ip) for x in (*a, *b)] + [_f32(x, loc, ip) for x in c]

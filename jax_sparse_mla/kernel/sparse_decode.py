@@ -1,21 +1,21 @@
 """Sparse MLA decode on an FP8 E4M3 cache for Hopper (sm_90a), in CuTe DSL.
 
 A port of SparseDcpDecode (see DESIGN.md): a cluster of ``split`` CTAs per (16 heads, row b),
-each CTA taking 1 / split of the row's keys (the seed: split = 4; 1 and 2 keep larger grids
-in one wave, 8 shortens each CTA of a small grid). Per chunk of up to CHUNK keys a CTA gathers the
+each CTA taking 1 / split of the row's keys (the seed: split = 4; 1 and 2 keep larger grids in
+one wave, 8 shortens each CTA of a small grid). Per chunk of up to CHUNK keys a CTA gathers the
 cache rows with cp.async.bulk (one 576-byte row each, on the chunk's mbarrier; STAGES buffers,
-so chunk c + 1 is in flight while chunk c is computed; beyond the seed), computes QK with
-FP8 mma.sync m16n8k32 (warp w: keys 8 w .. 8 w + 7 x 16 heads), runs an online softmax in
-log2 units with E4M3 P at 448 of the running max (FP32 sums of the unquantized P), and
-accumulates PV with FP8 mma.sync (warp w: latent columns 32 w .. 32 w + 31; V transposed in
-registers with byte permutes). The cluster then merges its partials over distributed shared
-memory: each CTA writes O / l as F16 into an outbox in its (free) row buffers, one block of
-cols = 512 / split columns per CTA, and sends each peer its block with one bulk copy
-(cp.async.bulk shared::cta -> shared::cluster) and its (max, sum) stats with st.async, all
-completing on the receiver's mbarrier; CTA s merges columns s * cols .. s * cols + cols - 1
-in FP32 and writes them (s = 0: and the LSE). With split = 1 the "cluster" is the CTA itself:
-its FP32 partial goes through its own shared memory with plain stores and a CTA barrier
-(DSMEM needs a cluster of at least 2: compute-sanitizer rejects st.async in a 1-CTA
+so chunk c + 1 is in flight while chunk c is computed; beyond the seed), computes QK with FP8
+mma.sync m16n8k32 (warp w: keys 8 w .. 8 w + 7 x 16 heads), runs an online softmax in log2
+units with F16 P, 448 at the running max (FP32 sums of the unrounded P), and accumulates PV
+with F16 mma.sync m16n8k16 (warp w: latent columns 32 w .. 32 w + 31; V transposed in registers
+with byte permutes and widened exactly to F16). The cluster then merges its partials over
+distributed shared memory: each CTA writes O / l as F16 into an outbox in its (free) row
+buffers, one block of cols = 512 / split columns per CTA, and sends each peer its block with
+one bulk copy (cp.async.bulk shared::cta -> shared::cluster) and its (max, sum) stats with
+st.async, all completing on the receiver's mbarrier; CTA s merges columns s * cols .. s * cols
++ cols - 1 in FP32 and writes them (s = 0: and the LSE). With split = 1 the "cluster" is the
+CTA itself: its FP32 partial goes through its own shared memory with plain stores and a CTA
+barrier (DSMEM needs a cluster of at least 2: compute-sanitizer rejects st.async in a 1-CTA
 cluster).
 
 Parameters are raw pointers and i32 sizes (the ABI: PARAMS in config.py). No size is
@@ -69,6 +69,14 @@ PAIRS = QK_WARPS // 2
 HALF_STEPS = ROW // 32 // 2  # 9 k32 steps per half (the last one by ldmatrix x2)
 HALF_BYTES = 32 * HALF_STEPS
 assert CHUNK // 2 == 8 * PAIRS and HALF_STEPS % 2 == 1
+
+
+def p_column(key):
+    """Where key ``key`` (even; key + 1 follows it) of a chunk sits in the F16 P tile: within
+    each 16 keys, the PV MMA's k index of the V byte a thread holds for it (keys 4 q + i, i < 4,
+    are k indices 2 q + i % 2 + 8 (i // 2))."""
+    within = key % 16
+    return key - within + 2 * (within // 4) + 8 * ((within % 4) // 2)
 
 
 def transpose4(w):
@@ -275,7 +283,7 @@ class SparseDecode(DecodeKernel):
                 rise = cute.math.exp2(m_run[r] - m_new[r], fastmath=True)
                 alpha[r] = ptx.where(m_run[r] != neg_inf, rise, 1.0)
 
-            # ---- P (E4M3 at 448 of the running max) and its FP32 sums ---------------
+            # ---- P (F16, 448 at the running max) and its FP32 sums --------------------
             sums = cute.make_rmem_tensor((2,), Float32)
             sums.fill(0.0)
             if 8 * warp < span:
@@ -294,8 +302,11 @@ class SparseDecode(DecodeKernel):
                         0.0,
                     )
                     sums[r] = p0 + p1
-                    key = 8 * warp + 2 * quarter
-                    ptx.store_e4m3_pair(sP + (group + 8 * r) * P_PITCH + key, p0, p1)
+                    # Keys 8 warp + 2 quarter, + 1 at their P V positions (p_column).
+                    column = p_column(8 * warp + 2 * quarter)
+                    ptx.store_shared_u32(
+                        sP + (group + 8 * r) * P_PITCH + 2 * column, ptx.f16x2(p0, p1)
+                    )
             cute.arch.sync_threads()  # P complete
             for r in cutlass.range_constexpr(2):
                 l_part[r] = l_part[r] * alpha[r] + sums[r]
@@ -305,22 +316,25 @@ class SparseDecode(DecodeKernel):
                         acc[j, 2 * r + e] = acc[j, 2 * r + e] * alpha[r]
 
             # ---- PV: warp w, latent columns 32 w .. 32 w + 31 ------------------------
+            # F16 m16n8k16 per 16 keys: P (F16) x V (E4M3 widened exactly). This thread's V
+            # words are keys 4 quarter .. + 3 of the 16; as the MMA's k indices 2 quarter,
+            # + 1, + 8, + 9 they need P in the same order, which p_column stored it in.
             col = 32 * warp + 4 * group
             for ks in cutlass.range_constexpr(CHUNK // 32):
                 if 32 * ks < span:
-                    a = ptx.ldmatrix_x4(sP + a_row * P_PITCH + 32 * ks + a_col)
-                    halves = []
                     for half in cutlass.range_constexpr(2):
+                        first = 32 * ks + 16 * half
+                        a = ptx.ldmatrix_x4(sP + a_row * P_PITCH + 2 * first + a_col)
                         words = []
                         for i in cutlass.range_constexpr(4):
-                            key = 32 * ks + 16 * half + 4 * quarter + i
+                            key = first + 4 * quarter + i
                             words.append(ptx.load_shared_u32(sKVc + key * PITCH + col))
-                        halves.append(transpose4(words))
-                    for j in cutlass.range_constexpr(4):
-                        prev = tuple(acc[j, e] for e in range(4))
-                        d = ptx.mma_e4m3(a, (halves[0][j], halves[1][j]), prev)
-                        for e in cutlass.range_constexpr(4):
-                            acc[j, e] = d[e]
+                        v = transpose4(words)
+                        for j in cutlass.range_constexpr(4):
+                            prev = tuple(acc[j, e] for e in range(4))
+                            d = ptx.mma_f16(a, ptx.e4m3x4_to_f16(v[j]), prev)
+                            for e in cutlass.range_constexpr(4):
+                                acc[j, e] = d[e]
 
         # The sums of P: over the quad, then over the warps (sRed's sum half: free by now).
         sRedSum = sRed + QK_WARPS * HEADS * 4
