@@ -202,11 +202,13 @@ def _assert_matches_reference(args, scales, result):
     want_latent, want_lse = _decode("reference", **scales)(*args)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-4, atol=2e-3)
     got, want = np.asarray(latent, np.float32), np.asarray(want_latent, np.float32)
-    # P is rounded to E4M3 (3 mantissa bits) in both; where the two round a P differently it
-    # moves by at most one ulp (2**-3 of itself), so the output moves by at most
-    # 2**-3 * max|V| * kv_scale. Nearly all elements must agree much more tightly.
+    # P is rounded to F16 in both (at other anchors): where the two round a P differently it
+    # moves by at most one ulp (2**-10 of itself), so the output moves by at most
+    # 2**-10 * max|V| * kv_scale, plus 2**-11 of that for the kernel's F16 partials (split >
+    # 1), and one BF16 ulp (<= 2**-7 relative) where the two outputs round to neighbours.
+    # Nearly all elements must agree much more tightly.
     v_max = float(np.max(np.abs(np.asarray(args[1], np.float32)[:, :512])))
-    bound = 2.0**-3 * v_max * scales["kv_scale"] + 2.0**-8 * np.abs(want)
+    bound = 2.0**-9 * v_max * scales["kv_scale"] + 2.0**-7 * np.abs(want)
     assert np.all(np.abs(got - want) <= bound), float(np.max(np.abs(got - want)))
     close = np.isclose(got, want, rtol=2e-2, atol=3e-2)
     assert close.mean() >= 0.99, f"{close.mean()=}"
