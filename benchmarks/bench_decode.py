@@ -9,9 +9,10 @@ through jax.jit on the same inputs: the kernel as the dispatch rule picks it (an
 --configs, each config forced) and the jnp reference. Kernel times come from JAX's profiler
 (CUPTI kernel durations, split per call; see gpu_profile.py), median and p10/p90 over
 --calls calls. The kernel path is
-implementation="cute": it fails loudly rather than fall back to the reference. Where issue #28
-measured FlashMLA at the same shape (its SM90 sparse FP8 decode + combine as one span, on an
-H200, 2026-12-01: not this run), that anchor is printed next to the kernel with ours / anchor.
+implementation="cute": it fails loudly rather than fall back to the reference. Where
+peer_flashmla.py measured FlashMLA at the same shape (its SM90 sparse FP8 decode + combine, on
+an H200, 2026-12-02: not this run), that anchor is printed next to the kernel with ours /
+anchor.
 Writes results.json, results.csv and latency_vs_keys.png into --out.
 """
 
@@ -48,14 +49,16 @@ CASES = {  # name -> (batch B, query heads H, width K), DESIGN.md section 4
     "throughput": (64, 128, 2048),
 }
 # FlashMLA's GPU time (us) by (B, H, valid keys), H=64..128 heads over 2048 index slots:
-# issue #28's table (H200, 2026-12-01, FlashMLA's SM90 sparse FP8 decode + combine as a span).
+# benchmarks/peer_flashmla.py's defaults (H200, 2026-12-02, vLLM 0.26.0's FlashMLA, its SM90
+# sparse FP8 decode + combine; H=96 padded to 128 as vLLM does).
 FLASHMLA_US = {
-    (5, 64, 256): 12.13,
-    (5, 96, 256): 12.41,
-    (1, 128, 256): 12.00,
-    (5, 128, 2048): 23.54,
-    (64, 128, 2048): 107.76,
-    (128, 128, 2048): 211.24,
+    (5, 64, 256): 12.17,
+    (5, 96, 256): 12.88,
+    (5, 128, 256): 12.88,
+    (1, 128, 256): 11.96,
+    (5, 128, 2048): 22.43,
+    (64, 128, 2048): 105.59,
+    (128, 128, 2048): 205.51,
 }
 CASE_KEYS = {  # valid keys per row of each named case
     "latency-h64": 256,
@@ -67,7 +70,7 @@ CASE_KEYS = {  # valid keys per row of each named case
 
 
 def flashmla_us(batch, heads, width, keys) -> float | None:
-    """FlashMLA's time at this shape, None where issue #28 did not measure it."""
+    """FlashMLA's time at this shape, None where peer_flashmla.py did not measure it."""
     return FLASHMLA_US.get((batch, heads, keys)) if width == 2048 else None
 
 
@@ -213,13 +216,13 @@ def write_outputs(results, out_dir):
 
 
 def anchor_text(result) -> str:
-    """The FlashMLA anchor's line for a result, or "" where issue #28 did not measure it."""
+    """The FlashMLA anchor's line for a result, or "" where there is no anchor."""
     anchor = result["flashmla_us"]
     if anchor is None:
         return ""
     ours = result["kernel_us"]["median"]
     return (
-        f"    FlashMLA {anchor:.2f} us (H200, 2026-12-01, issue #28; not this run): "
+        f"    FlashMLA {anchor:.2f} us (H200, 2026-12-02, peer_flashmla.py; not this run): "
         f"ours / FlashMLA {ours / anchor:.2f}"
     )
 

@@ -11,19 +11,21 @@ def bench(load_script):
         yield module
 
 
-def test_named_cases_get_issue_28s_flashmla_anchor(bench):
+def test_named_cases_get_the_peer_scripts_flashmla_anchor(bench, load_script):
     args = bench.argparse.Namespace(
         cases=list(bench.CASES), sweep_keys=[], sweep_rows=[128], sweep_heads=[], sweep_short=[]
     )
     anchors = {name: bench.flashmla_us(*shape) for name, *shape in bench.plan(args)}
     assert anchors == {
-        "latency-h64": 12.13,
-        "latency-h96": 12.41,
-        "latency-h128": None,  # not in issue #28's table
-        "rank-full": 23.54,
-        "throughput": 107.76,
-        "rows-128": 211.24,
+        "latency-h64": 12.17,
+        "latency-h96": 12.88,
+        "latency-h128": 12.88,
+        "rank-full": 22.43,
+        "throughput": 105.59,
+        "rows-128": 205.51,
     }
+    with load_script("benchmarks/peer_flashmla.py") as peer:  # the anchors' source
+        assert set(bench.FLASHMLA_US) == {peer.parse_shape(s) for s in peer.SHAPES}
     assert bench.flashmla_us(5, 64, 128, 256) is None  # another index width: not that shape
 
 
