@@ -79,6 +79,23 @@ def p_column(key):
     return key - within + 2 * (within // 4) + 8 * ((within % 4) // 2)
 
 
+def qk_step(parts, ks, a, b):
+    """One k32 step of Q K^T (FP8 m16n8k32) into accumulator chain ks % QK_CHAINS."""
+    chain = ks % QK_CHAINS
+    d = ptx.mma_e4m3(a, b, tuple(parts[chain, e] for e in range(4)))
+    for e in range(4):
+        parts[chain, e] = d[e]
+
+
+def sum_chains(parts, s):
+    """s[e] = the sum of the QK_CHAINS accumulator chains' value e."""
+    for e in range(4):
+        total = parts[0, e]
+        for chain in range(1, QK_CHAINS):
+            total = total + parts[chain, e]
+        s[e] = total
+
+
 def transpose4(w):
     """Bytes of four words -> four words of bytes: out[j] = (w0.j, w1.j, w2.j, w3.j)."""
     lo01, hi01 = ptx.prmt(w[0], w[1], 0x5140), ptx.prmt(w[0], w[1], 0x7362)
@@ -246,16 +263,8 @@ class SparseDecode(DecodeKernel):
                     for h in cutlass.range_constexpr(2):
                         ks = 2 * kp + h
                         a = ptx.ldmatrix_x4(sQ + a_row * PITCH + 32 * ks + a_col)
-                        chain = ks % QK_CHAINS
-                        prev = tuple(parts[chain, e] for e in range(4))
-                        d = ptx.mma_e4m3(a, (k[2 * h], k[2 * h + 1]), prev)
-                        for e in cutlass.range_constexpr(4):
-                            parts[chain, e] = d[e]
-                for e in cutlass.range_constexpr(4):
-                    total = parts[0, e]
-                    for chain in cutlass.range_constexpr(1, QK_CHAINS):
-                        total = total + parts[chain, e]
-                    s[e] = total
+                        qk_step(parts, ks, a, (k[2 * h], k[2 * h + 1]))
+                sum_chains(parts, s)
             top = cute.make_rmem_tensor((2,), Float32)
             top.fill(neg_inf)
             for e in cutlass.range_constexpr(4):
@@ -402,25 +411,13 @@ class SparseDecode(DecodeKernel):
             for h in cutlass.range_constexpr(2):
                 ks = 2 * kp + h
                 a = ptx.ldmatrix_x4(sQ + a_row * PITCH + base + 32 * ks + a_col)
-                chain = ks % QK_CHAINS
-                prev = tuple(parts[chain, e] for e in range(4))
-                d = ptx.mma_e4m3(a, (k[2 * h], k[2 * h + 1]), prev)
-                for e in cutlass.range_constexpr(4):
-                    parts[chain, e] = d[e]
+                qk_step(parts, ks, a, (k[2 * h], k[2 * h + 1]))
         # The odd last step: its 32 bytes of the 8 keys (ldmatrix x2, lanes 0-15 address).
         last = HALF_STEPS - 1
         k = ptx.ldmatrix_x2(sKVc + b_row * PITCH + base + 32 * last + b_col)
         a = ptx.ldmatrix_x4(sQ + a_row * PITCH + base + 32 * last + a_col)
-        chain = last % QK_CHAINS
-        prev = tuple(parts[chain, e] for e in range(4))
-        d = ptx.mma_e4m3(a, (k[0], k[1]), prev)
-        for e in cutlass.range_constexpr(4):
-            parts[chain, e] = d[e]
-        for e in cutlass.range_constexpr(4):
-            total = parts[0, e]
-            for chain in cutlass.range_constexpr(1, QK_CHAINS):
-                total = total + parts[chain, e]
-            s[e] = total
+        qk_step(parts, last, a, (k[0], k[1]))
+        sum_chains(parts, s)
 
     @cute.jit
     def load_row(self, rows_base, limit, c, lane, slot):
