@@ -28,9 +28,12 @@ def truth_decode(q, kv, rows, valid, *, softmax_scale, q_scale=1.0, kv_scale=1.0
     """Exact softmax attention in float64 over each row's live keys.
 
     Returns latent [B, H, 512], lse [B, H] (natural log; -inf for empty rows), and an error
-    bound [B, H, 512] for an implementation that rounds P to E4M3 (or finer: the kernels and
-    the reference round it to F16) at 448 of any running max not above the row max (|dP| <=
-    max(P/16, 2**-10) in those units) and the output to BF16.
+    bound [B, H, 512] for an implementation that rounds P to F16 at 448 of any running max not
+    above the row max (|dP| <= max(P 2**-11, 2**-25) in those units: half an F16 ulp, or of the
+    subnormal spacing), may round its normalised partials to F16 before merging them (another
+    2**-11 of sum P |V| / sum P, so dP <= max(P 2**-10, 2**-25) covers both, and half F16's
+    subnormal spacing, 2**-25 |kv_scale|, where the partial's cancellation leaves it below
+    F16's normal range), and rounds the output to BF16.
     """
     q = np.asarray(q).astype(np.float64)
     kv = np.asarray(kv).astype(np.float64).reshape(-1, 576)
@@ -53,9 +56,9 @@ def truth_decode(q, kv, rows, valid, *, softmax_scale, q_scale=1.0, kv_scale=1.0
         values = keys[:, :LATENT]
         latent[b] = p @ values / total * kv_scale
         lse[b] = top[:, 0] + np.log(total[:, 0] / 448.0)
-        dp = np.maximum(p / 16.0, 2.0**-10)
+        dp = np.maximum(p * 2.0**-10, 2.0**-25)
         bound[b] = dp @ np.abs(values) / total * abs(kv_scale)
-    bound += 2.0**-8 * np.abs(latent) + 1e-6 * (np.abs(latent) + 1e-3)
+    bound += 2.0**-8 * np.abs(latent) + 2.0**-25 * abs(kv_scale) + 1e-6 * (np.abs(latent) + 1e-3)
     return latent, lse, bound
 
 

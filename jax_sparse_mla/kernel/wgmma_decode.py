@@ -8,8 +8,9 @@ E4M3 is a subset of F16) into one of WG_STAGES 128-byte-swizzled K-major tiles, 
 both consumers are done with the tile's previous chunk (per-stage mbarriers: "widened",
 "consumed"). Warpgroup 0 computes S = Q K^T of chunk c for all 64 heads and keys (wgmma
 m64n64k16 F16 -> FP32, both operands in shared memory, Q widened once and read once per
-chunk), runs the online softmax over whole rows (log2 units, FP32) and writes P as F16 and
-each head's rescale factor into shared memory (mbarriers "P ready" / "P free" with
+chunk), runs the online softmax over whole rows (log2 units, FP32) and writes P as F16 (448 at
+the running max, as cluster-mma: P at 1 would leave keys below 2^-14 of the max to F16's
+subnormals) and each head's rescale factor into shared memory (mbarriers "P ready" / "P free" with
 warpgroup 1). Then warpgroup g < 2 accumulates O's latent columns 256 g .. 256 g + 255 over
 the chunk's keys: wgmma m64n256k16, A = P, B = the F16 tile's first 512 columns read MN-major
 (V). Dead keys (past the count, rows outside [0, n_rows)) get S = -inf and a zero row. An
@@ -52,6 +53,7 @@ from cutlass import Float32, Int32, Int64
 from jax_sparse_mla.kernel import ptx
 from jax_sparse_mla.kernel.config import (
     LATENT,
+    LOG2_P_SCALE,
     ROW,
     WG_ATOM,
     WG_BAR_OFFSET,
@@ -431,7 +433,7 @@ class WgmmaDecode(DecodeKernel):
             total = Float32(0.0)
             for v in cutlass.range_constexpr(S_VALUES):
                 if cutlass.const_expr((v // 2) % 2 == r):
-                    s[v] = cute.math.exp2(s[v] - m_use, fastmath=True)
+                    s[v] = cute.math.exp2((s[v] - m_use) + LOG2_P_SCALE, fastmath=True)
                     total = total + s[v]
             l_part[r] = l_part[r] * alpha[r] + total
             m_run[r] = m_new
@@ -542,7 +544,9 @@ class WgmmaDecode(DecodeKernel):
                 if (group == 0) & (quad == 0) & (head < heads):
                     _, lse_at, keep = self.row_target(dest, head)
                     if keep:
-                        self.store_lse(lse_at, self.log2_lse(nonempty, m_run[r], totals[r]))
+                        # P was scaled by 448 = 2^LOG2_P_SCALE: so were the sums.
+                        top = m_run[r] - Float32(LOG2_P_SCALE)
+                        self.store_lse(lse_at, self.log2_lse(nonempty, top, totals[r]))
         ptx.fence_proxy_async_shared()  # the rows are read by bulk copies
         cute.arch.sync_threads()
         head = tile * WG_HEADS + tid
@@ -625,4 +629,5 @@ class WgmmaDecode(DecodeKernel):
                     ]
                     ptx.store_global_v4(latent + col * 2, words)
                 if (part == 0) & (quarter == 0):
-                    self.store_lse(lse_at, self.log2_lse(nonempty, top, total))
+                    lse2 = self.log2_lse(nonempty, top - Float32(LOG2_P_SCALE), total)
+                    self.store_lse(lse_at, lse2)
