@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.extend.core import Var, jaxprs_in_params
 from truth import logit_magnitude, lse_tolerance, make_inputs, truth_decode
 
 import jax_sparse_mla
@@ -154,3 +155,44 @@ def test_decode_default_path_equals_reference():
             np.asarray(got[0], np.float32), np.asarray(want[0], np.float32), rtol=2**-7, atol=0
         )
         np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=1e-5, atol=1e-6)
+
+
+_LAYOUT_ONLY = {"transpose", "reshape", "broadcast_in_dim", "squeeze", "expand_dims", "copy"}
+
+
+def _fp8_fed_dots(jaxpr, widened=frozenset()):
+    """The dot_generals in ``jaxpr`` (nested jaxprs included) whose two operands are both FP8
+    values widened by convert_element_type (through layout-only ops): what XLA's GPU GEMM
+    rewriter turns into an FP8 GEMM. ``widened``: the invars that already are."""
+    widened = set(widened)
+    found = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        ins = [v if isinstance(v, Var) else None for v in eqn.invars]
+        from_fp8 = name == "convert_element_type" and "float8" in str(eqn.invars[0].aval.dtype)
+        if from_fp8 or (name in _LAYOUT_ONLY and ins[0] in widened):
+            widened.add(eqn.outvars[0])
+        elif name == "dot_general" and all(v in widened for v in ins):
+            found.append(eqn)
+        for sub in jaxprs_in_params(eqn.params):
+            inner = {v for v, outer in zip(sub.invars, ins, strict=False) if outer in widened}
+            found += _fp8_fed_dots(sub, inner)
+    return found
+
+
+def test_no_dot_sees_two_fp8_converts():
+    """XLA's GPU GEMM rewriter turns dot(convert(f8), convert(f8)) into an FP8 cuBLASLt GEMM
+    with a reduced-precision accumulator whatever precision= says (tests/gpu/
+    test_reference_gpu.py measures it); the reference keeps one operand behind a barrier."""
+    rng = np.random.default_rng(6)
+    q, kv, rows = make_inputs(rng, 2, 16, CACHE_ROWS, WIDTH)
+    scales = jnp.array([0.1, 1.0], jnp.float32)
+    valid = np.array([WIDTH, 3], np.int32)
+    decode = jax.make_jaxpr(reference.decode_flat)(q, kv, rows, valid, scales)
+    assert not _fp8_fed_dots(decode.jaxpr)
+    keys = np.zeros((4, 16, 128), jnp.float8_e4m3fn)
+    index_q = np.zeros((2, 1, 8, 128), jnp.float8_e4m3fn)
+    weights, key_scales = np.ones((2, 1, 8), np.float32), np.ones((4, 16), np.float32)
+    table, limits = np.zeros((2, 4), np.int32), np.full((2, 1), 64, np.int32)
+    args = (index_q, weights, keys, key_scales, table, limits)
+    assert not _fp8_fed_dots(jax.make_jaxpr(reference.index_scores_flat)(*args).jaxpr)
