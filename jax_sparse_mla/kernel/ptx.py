@@ -242,30 +242,29 @@ def ldmatrix_x2(addr, *, loc=None, ip=None) -> tuple:
 # ---- arithmetic --------------------------------------------------------------------------
 
 
-@dsl_user_op
-def mma_e4m3(a, b, c, *, loc=None, ip=None) -> tuple:
-    """mma.sync m16n8k32 E4M3 x E4M3 + FP32: a 4 words, b 2 words, c 4 floats -> 4 floats."""
+def _mma_m16n8(shape_types: str, a, b, c, loc, ip) -> tuple:
+    """mma.sync m16n8 with FP32 accumulators, ``shape_types`` the instruction's middle (e.g.
+    "k32.row.col.f32.e4m3.e4m3"): a 4 words, b 2 words, c 4 floats -> 4 floats."""
     code = (
-        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 "
+        f"mma.sync.aligned.m16n8{shape_types}.f32 "
         "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};"
     )
     operands = [_i32(x, loc, ip) for x in (*a, *b)] + [_f32(x, loc, ip) for x in c]
     constraints = "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f"
     values = _asm([T.f32()] * 4, operands, code, constraints, False, loc, ip)
     return tuple(Float32(v) for v in values)
+
+
+@dsl_user_op
+def mma_e4m3(a, b, c, *, loc=None, ip=None) -> tuple:
+    """mma.sync m16n8k32 E4M3 x E4M3 + FP32: a 4 words, b 2 words, c 4 floats -> 4 floats."""
+    return _mma_m16n8("k32.row.col.f32.e4m3.e4m3", a, b, c, loc, ip)
 
 
 @dsl_user_op
 def mma_f16(a, b, c, *, loc=None, ip=None) -> tuple:
     """mma.sync m16n8k16 F16 x F16 + FP32: a 4 words, b 2 words, c 4 floats -> 4 floats."""
-    code = (
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-        "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};"
-    )
-    operands = [_i32(x, loc, ip) for x in (*a, *b)] + [_f32(x, loc, ip) for x in c]
-    constraints = "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f"
-    values = _asm([T.f32()] * 4, operands, code, constraints, False, loc, ip)
-    return tuple(Float32(v) for v in values)
+    return _mma_m16n8("k16.row.col.f32.f16.f16", a, b, c, loc, ip)
 
 
 @dsl_user_op
