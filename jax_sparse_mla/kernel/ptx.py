@@ -444,6 +444,18 @@ def push_f32(remote, value, remote_bar, *, loc=None, ip=None) -> None:
     _asm(None, operands, code, "r,f,r,~{memory}", True, loc, ip)
 
 
+@dsl_user_op
+def push_v4(remote, w0, w1, w2, w3, remote_bar, *, loc=None, ip=None) -> None:
+    """st.async of four words (16-byte aligned) into a peer's shared memory, completing 16
+    bytes on its bar."""
+    code = (
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [$0], {$1, $2, $3, $4}, [$5];"
+    )
+    operands = [_i32(remote, loc, ip)] + [_i32(w, loc, ip) for w in (w0, w1, w2, w3)]
+    operands.append(_i32(remote_bar, loc, ip))
+    _asm(None, operands, code, "r,r,r,r,r,r,~{memory}", True, loc, ip)
+
+
 # ---- the wgmma variant: FP8 widening, warpgroup MMA ---------------------------------------
 
 

@@ -366,17 +366,13 @@ class SparseDecode(DecodeKernel):
             # O / l as F16 blocks, one per column owner, in the (free) row buffers; each peer
             # gets its block by one bulk copy, and every CTA the (max, sum) stats.
             sOutbox = base + KV_OFFSET
-            self.fill_outbox(sOutbox, acc, l_run, warp, group, quarter)
-            ptx.fence_proxy_async_shared()  # the outbox is read by bulk copies
             cute.arch.cluster_wait()  # every peer's inbound barrier is armed
-            cute.arch.sync_threads()  # the outbox is complete (racecheck models CTA barriers)
-            if tid == 0:
-                self.send_blocks(sOutbox, sInbox, inbound, part)
+            self.push_partial(sOutbox, sInbox, inbound, acc, l_run, warp, group, quarter, part)
             if (warp == 0) & (quarter == 0):
                 for r in cutlass.range_constexpr(2):
                     self.push_stats(sStats, inbound, part, group + 8 * r, HEADS, m_run[r], l_run[r])
             ptx.mbarrier_wait_cluster(inbound, 0)  # every source's block of these columns
-            # Every CTA has received everything: no outbox is read after this barrier.
+            cute.arch.sync_threads()  # this CTA's own block is complete in its outbox
             cute.arch.cluster_arrive_relaxed()
             self.merge_blocks(mScales, dest, sOutbox, sInbox, sStats, tile, part, tid)
             cute.arch.cluster_wait()  # no CTA exits while a copy still reads its outbox
@@ -476,9 +472,11 @@ class SparseDecode(DecodeKernel):
                 ptx.store_shared_v4(sQ + q_row * PITCH + 16 * piece, w[0], w[1], w[2], w[3])
 
     @cute.jit
-    def fill_outbox(self, sOutbox, acc, l_run, warp, group, quarter):
-        """This CTA's O / l (0 for a head without live keys) as F16 into the outbox: each
-        thread's 8 consecutive columns 32 w + 8 q .. of heads group, group + 8 are one piece."""
+    def push_partial(self, sOutbox, sInbox, inbound, acc, l_run, warp, group, quarter, part):
+        """This CTA's O / l (0 for a head without live keys) as F16 pieces (each thread's 8
+        consecutive columns 32 w + 8 q .. of heads group, group + 8): a piece of a peer's
+        columns straight into slot ``part`` of that peer's inbox (st.async on its inbound
+        barrier), one of this CTA's own columns into its outbox block ``part``."""
         for r in cutlass.range_constexpr(2):
             head = group + 8 * r
             inverse = ptx.where(l_run[r] != Float32(0.0), 1.0 / l_run[r], 0.0)
@@ -489,8 +487,12 @@ class SparseDecode(DecodeKernel):
                 for j in (0, 2)
             ]
             column = 32 * warp + 8 * quarter
-            dst = self.piece_at(sOutbox, column // self.cols, head, column % self.cols)
-            ptx.store_shared_v4(dst, *words)
+            owner = column // self.cols
+            if owner == part:
+                ptx.store_shared_v4(self.piece_at(sOutbox, part, head, column % self.cols), *words)
+            else:
+                slot = self.piece_at(sInbox, part, head, column % self.cols)
+                ptx.push_v4(ptx.map_peer(slot, owner), *words, ptx.map_peer(inbound, owner))
 
     @cute.jit
     def merge_blocks(
