@@ -69,6 +69,7 @@ PAIRS = QK_WARPS // 2
 HALF_STEPS = ROW // 32 // 2  # 9 k32 steps per half (the last one by ldmatrix x2)
 HALF_BYTES = 32 * HALF_STEPS
 assert CHUNK // 2 == 8 * PAIRS and HALF_STEPS % 2 == 1
+PV_UNROLL = 1  # P V's 32-key steps per loop iteration
 
 
 def p_column(key):
@@ -328,22 +329,23 @@ class SparseDecode(DecodeKernel):
             # F16 m16n8k16 per 16 keys: P (F16) x V (E4M3 widened exactly). This thread's V
             # words are keys 4 quarter .. + 3 of the 16; as the MMA's k indices 2 quarter,
             # + 1, + 8, + 9 they need P in the same order, which p_column stored it in.
+            # A loop over the span's 32-key steps rather than every step of a chunk under a
+            # predicate: predicated-off steps still take issue slots, 16 warps' worth.
             col = 32 * warp + 4 * group
-            for ks in cutlass.range_constexpr(CHUNK // 32):
-                if 32 * ks < span:
-                    for half in cutlass.range_constexpr(2):
-                        first = 32 * ks + 16 * half
-                        a = ptx.ldmatrix_x4(sP + a_row * P_PITCH + 2 * first + a_col)
-                        words = []
-                        for i in cutlass.range_constexpr(4):
-                            key = first + 4 * quarter + i
-                            words.append(ptx.load_shared_u32(sKVc + key * PITCH + col))
-                        v = transpose4(words)
-                        for j in cutlass.range_constexpr(4):
-                            prev = tuple(acc[j, e] for e in range(4))
-                            d = ptx.mma_f16(a, ptx.e4m3x4_to_f16(v[j]), prev)
-                            for e in cutlass.range_constexpr(4):
-                                acc[j, e] = d[e]
+            for ks in cutlass.range(0, span // 32, unroll=PV_UNROLL):
+                for half in cutlass.range_constexpr(2):
+                    first = 32 * ks + 16 * half
+                    a = ptx.ldmatrix_x4(sP + a_row * P_PITCH + 2 * first + a_col)
+                    words = []
+                    for i in cutlass.range_constexpr(4):
+                        key = first + 4 * quarter + i
+                        words.append(ptx.load_shared_u32(sKVc + key * PITCH + col))
+                    v = transpose4(words)
+                    for j in cutlass.range_constexpr(4):
+                        prev = tuple(acc[j, e] for e in range(4))
+                        d = ptx.mma_f16(a, ptx.e4m3x4_to_f16(v[j]), prev)
+                        for e in cutlass.range_constexpr(4):
+                            acc[j, e] = d[e]
 
         # The sums of P: over the quad, then over the warps (sRed's sum half: free by now).
         sRedSum = sRed + QK_WARPS * HEADS * 4
