@@ -231,6 +231,16 @@ def ldmatrix_x4(addr, *, loc=None, ip=None) -> tuple:
 
 
 @dsl_user_op
+def stmatrix_x4(addr, words, *, loc=None, ip=None) -> None:
+    """stmatrix x4 (b16): four 8x16-byte tiles from an MMA accumulator fragment layout (word
+    i of lane t: row t / 4, halves 2 (t % 4), + 1 of tile i); lanes 8 i .. 8 i + 7 address
+    tile i's rows."""
+    code = "stmatrix.sync.aligned.m8n8.x4.shared.b16 [$0], {$1, $2, $3, $4};"
+    operands = [_i32(addr, loc, ip)] + [_i32(w, loc, ip) for w in words]
+    _asm(None, operands, code, "r,r,r,r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
 def ldmatrix_x2(addr, *, loc=None, ip=None) -> tuple:
     """ldmatrix x2 (b16): two 8x16-byte tiles, lanes 8 i .. 8 i + 7 (i < 2) address tile i's
     rows (the other lanes' addresses are not used)."""

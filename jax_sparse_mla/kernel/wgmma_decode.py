@@ -533,14 +533,20 @@ class WgmmaDecode(DecodeKernel):
         warp, lane = (tid % 128) // 32, tid % 32
         quad = lane % 4
         if tid < WG_CONSUMERS:  # the producer warpgroup holds no accumulators
+            norms = [self.normaliser(out_scale, totals[r]) for r in range(2)]
+            # As fill_outbox: one stmatrix per two column groups of both rows.
+            tile_of_lane, row_of_lane = lane // 8, lane % 8
+            row = 16 * warp + row_of_lane + 8 * (tile_of_lane % 2)
+            for g in cutlass.range_constexpr(0, WG_COLS // 8, 2):
+                words = []
+                for i in cutlass.range_constexpr(4):
+                    v, inverse = 4 * (g + i // 2) + 2 * (i % 2), norms[i % 2][1]
+                    words.append(ptx.bf16x2(acc[v] * inverse, acc[v + 1] * inverse))
+                column = group * WG_COLS + 8 * (g + tile_of_lane // 2)
+                ptx.stmatrix_x4(sOut + row * WG_OUT_PITCH + column * 2, words)
             for r in cutlass.range_constexpr(2):
-                head_in_tile = 16 * warp + lane // 4 + 8 * r
-                nonempty, inverse = self.normaliser(out_scale, totals[r])
-                head = tile * WG_HEADS + head_in_tile
-                row_out = sOut + head_in_tile * WG_OUT_PITCH + (group * WG_COLS + 2 * quad) * 2
-                for v in cutlass.range_constexpr(r * 2, O_VALUES, 4):
-                    word = ptx.bf16x2(acc[v] * inverse, acc[v + 1] * inverse)
-                    ptx.store_shared_u32(row_out + 8 * (v // 4) * 2, word)
+                nonempty = norms[r][0]
+                head = tile * WG_HEADS + 16 * warp + lane // 4 + 8 * r
                 if (group == 0) & (quad == 0) & (head < heads):
                     _, lse_at, keep = self.row_target(dest, head)
                     if keep:
@@ -565,16 +571,20 @@ class WgmmaDecode(DecodeKernel):
         block ``owner`` holding the columns CTA ``owner`` merges."""
         group = tid // 128
         warp, lane = (tid % 128) // 32, tid % 32
-        quad = lane % 4
         inverse = [ptx.where(totals[r] != Float32(0.0), 1.0 / totals[r], 0.0) for r in range(2)]
-        for v in cutlass.range_constexpr(0, O_VALUES, 2):
-            # acc[v], acc[v + 1]: head 16 warp + lane / 4 + 8 r, columns c, c + 1.
-            r = (v // 2) % 2
-            head = 16 * warp + lane // 4 + 8 * r
-            column = group * WG_COLS + 8 * (v // 4) + 2 * quad
-            word = ptx.f16x2(acc[v] * inverse[r], acc[v + 1] * inverse[r])
+        # acc[4 g + 2 r + e]: head 16 warp + lane / 4 + 8 r, column 8 g + 2 quad + e. One
+        # stmatrix stores column groups g, g + 1 of rows r = 0, 1 (its tile i: g + i / 2, r =
+        # i % 2); lane 8 i + j addresses row j of tile i, a 16-byte piece of the outbox.
+        tile_of_lane, row_of_lane = lane // 8, lane % 8
+        head = 16 * warp + row_of_lane + 8 * (tile_of_lane % 2)
+        for g in cutlass.range_constexpr(0, WG_COLS // 8, 2):
+            words = []
+            for i in cutlass.range_constexpr(4):
+                v, r = 4 * (g + i // 2) + 2 * (i % 2), i % 2
+                words.append(ptx.f16x2(acc[v] * inverse[r], acc[v + 1] * inverse[r]))
+            column = group * WG_COLS + 8 * (g + tile_of_lane // 2)
             piece = self.piece_at(sOutbox, column // self.cols, head, column % self.cols)
-            ptx.store_shared_u32(piece + 2 * (column % 8), word)
+            ptx.stmatrix_x4(piece, words)
 
     @cute.jit
     def push(self, sOutbox, sInbox, sStats, inbound, m_run, totals, part, tid):
