@@ -3,8 +3,9 @@
 Runs on every backend; it is also the baseline a JAX user has today (gather + einsum).
 
 What it models of the kernel:
-- FP8 E4M3 q and cache rows widened exactly to FP32; FP32 logits q.k (the products of two
-  E4M3 values are exact in FP32; the 576-term sum is FP32).
+- FP8 E4M3 q and cache rows widened exactly to BF16 (V to F16); FP32 logits q.k (the
+  products of two E4M3 values are exact in FP32; the 576-term sum is FP32: on GPUs a
+  tensor-core GEMM with FP32 accumulation, as the kernels run it).
 - Logits in log2 units: s = (q.k) * scale_log2, scale_log2 = softmax_scale * q_scale *
   kv_scale * log2(e).
 - P = exp2((s - max) + log2(448)) in FP32; the softmax sums are FP32 sums of this
@@ -34,12 +35,14 @@ LOG2_P_SCALE = math.log2(448.0)  # P is scaled to 448 at the row max, as the ker
 HIGHEST = jax.lax.Precision.HIGHEST  # FP32 products on GPUs too (no TF32)
 
 
-def widened(x):
-    """FP8 ``x`` as FP32 behind an optimization barrier. Without it XLA's GPU GEMM rewriter
-    turns dot(convert(f8), convert(f8)) into an FP8 cuBLASLt matmul, whose accumulation is
-    reduced-precision whatever ``precision`` says (measured on an H200: logits off by 3e-2 at
-    |logit| ~100, the LSE by 8e-5). One operand behind the barrier is enough."""
-    return jax.lax.optimization_barrier(x.astype(jnp.float32))
+def exact_operand(x, dtype):
+    """FP8 ``x`` widened exactly to ``dtype`` (BF16 or F16: E4M3 is a subset of both) behind
+    an optimization barrier. Without it XLA's GPU GEMM rewriter turns dot(convert(f8),
+    convert(f8)) into an FP8 cuBLASLt matmul, whose accumulation is reduced-precision whatever
+    ``precision`` says (measured on an H200: logits off by 3e-2 at |logit| ~100, the LSE by
+    8e-5). One operand behind the barrier is enough; the other 16-bit operand then makes the
+    dot a tensor-core GEMM with exact products and FP32 accumulation."""
+    return jax.lax.optimization_barrier(x.astype(dtype))
 
 
 def decode_flat(q, kv, rows, valid, scales):
@@ -58,8 +61,13 @@ def decode_flat(q, kv, rows, valid, scales):
     scale_log2, out_scale = scales[0], scales[1]
     count = jnp.clip(valid, 0, width)
     live = (jnp.arange(width)[None, :] < count[:, None]) & (rows >= 0) & (rows < cache_rows)
-    keys = kv[jnp.where(live, rows, 0), : validation.ROW_BYTES].astype(jnp.float32)  # [B, K, 576]
-    logits = jnp.einsum("bhd,bkd->bhk", widened(q), keys, precision=HIGHEST)
+    keys = kv[jnp.where(live, rows, 0), : validation.ROW_BYTES]  # [B, K, 576] E4M3
+    logits = jnp.einsum(
+        "bhd,bkd->bhk",
+        exact_operand(q, jnp.bfloat16),
+        keys.astype(jnp.bfloat16),
+        preferred_element_type=jnp.float32,
+    )
     s = jnp.where(live[:, None, :], logits * scale_log2, -jnp.inf)
     row_max = jnp.max(s, axis=-1)
     empty = row_max == -jnp.inf
@@ -68,8 +76,9 @@ def decode_flat(q, kv, rows, valid, scales):
     # log2 448) would round upwards (and overflow exp2).
     p = jnp.exp2((s - top[..., None]) + LOG2_P_SCALE)  # exactly 0 for skipped keys
     total = jnp.sum(p, axis=-1)
-    p16 = p.astype(jnp.float16).astype(jnp.float32)  # RN
-    acc = jnp.einsum("bhk,bkc->bhc", p16, keys[..., : validation.LATENT], precision=HIGHEST)
+    p16 = p.astype(jnp.float16)  # RN
+    values = keys[..., : validation.LATENT].astype(jnp.float16)
+    acc = jnp.einsum("bhk,bkc->bhc", p16, values, preferred_element_type=jnp.float32)
     safe_total = jnp.where(empty, 1.0, total)
     latent = jnp.where(empty[..., None], 0.0, acc * (out_scale / safe_total)[..., None])
     lse2 = (top - LOG2_P_SCALE) + jnp.log2(safe_total)
@@ -146,9 +155,10 @@ def index_scores_flat(q, weights, keys, key_scales, block_table, limits):
     width = block_table.shape[1] * block_size
     in_cache = (block_table >= 0) & (block_table < num_blocks)  # [B, max_blocks]
     safe_table = jnp.where(in_cache, block_table, 0)
-    row_keys = keys[safe_table].reshape(batch, width, INDEX_DIM).astype(jnp.float32)
+    row_keys = keys[safe_table].reshape(batch, width, INDEX_DIM).astype(jnp.bfloat16)
     row_scales = key_scales[safe_table].reshape(batch, width)
-    dots = jnp.einsum("bthd,bnd->bthn", widened(q), row_keys, precision=HIGHEST)
+    q16 = exact_operand(q, jnp.bfloat16)
+    dots = jnp.einsum("bthd,bnd->bthn", q16, row_keys, preferred_element_type=jnp.float32)
     head_sum = jnp.einsum("bth,bthn->btn", weights, jnp.maximum(dots, 0.0), precision=HIGHEST)
     scores = head_sum * row_scales[:, None, :]
     position = jnp.arange(width, dtype=jnp.int32)
