@@ -112,7 +112,7 @@ WG_SMEM_BYTES = WG_BAR_OFFSET + 8 * (3 + 2 * WG_STAGES) + 8
 # source); the (max, sum) stats of every source land in the P tile ([split, 2, WG_HEADS] f32).
 WG_OUTBOX_OFFSET = WG_K_OFFSET
 # Split 1 stages its BF16 output in the K tiles, one head row per WG_OUT_PITCH bytes (16 bytes
-# of padding: a warp's 4-byte stores to 8 rows hit 32 banks), for one bulk copy per row.
+# of padding: stmatrix's 8 rows of 16 bytes hit 32 banks), for one bulk copy per row.
 WG_OUT_PITCH = LATENT * 2 + 16
 assert WG_HEADS * WG_OUT_PITCH <= WG_STAGES * WG_F16_TILE
 WG_INBOX_OFFSET = WG_OUTBOX_OFFSET + WG_HEADS * LATENT * 2

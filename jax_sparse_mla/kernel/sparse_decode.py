@@ -9,11 +9,12 @@ mma.sync m16n8k32 (warp w: keys 8 w .. 8 w + 7 x 16 heads), runs an online softm
 units with F16 P, 448 at the running max (FP32 sums of the unrounded P), and accumulates PV
 with F16 mma.sync m16n8k16 (warp w: latent columns 32 w .. 32 w + 31; V transposed in registers
 with byte permutes and widened exactly to F16). The cluster then merges its partials over
-distributed shared memory: each CTA writes O / l as F16 into an outbox in its (free) row
-buffers, one block of cols = 512 / split columns per CTA, and sends each peer its block with
-one bulk copy (cp.async.bulk shared::cta -> shared::cluster) and its (max, sum) stats with
-st.async, all completing on the receiver's mbarrier; CTA s merges columns s * cols .. s * cols
-+ cols - 1 in FP32 and writes them (s = 0: and the LSE). With split = 1 the "cluster" is the
+distributed shared memory: CTA s owns columns s * cols .. s * cols + cols - 1 (cols = 512 /
+split); every thread pushes its 16-byte F16 pieces of O / l straight into the owners' inboxes
+with st.async (its own columns' pieces into its outbox in the free row buffers), and the (max,
+sum) stats likewise, all completing on the receiver's mbarrier (no outbox copy, proxy fence or
+CTA barrier before the sends); CTA s merges its columns in FP32 and writes them (s = 0: and the
+LSE). With split = 1 the "cluster" is the
 CTA itself: its FP32 partial goes through its own shared memory with plain stores and a CTA
 barrier (DSMEM needs a cluster of at least 2: compute-sanitizer rejects st.async in a 1-CTA
 cluster).
@@ -69,7 +70,6 @@ PAIRS = QK_WARPS // 2
 HALF_STEPS = ROW // 32 // 2  # 9 k32 steps per half (the last one by ldmatrix x2)
 HALF_BYTES = 32 * HALF_STEPS
 assert CHUNK // 2 == 8 * PAIRS and HALF_STEPS % 2 == 1
-PV_UNROLL = 1  # P V's 32-key steps per loop iteration
 
 
 def p_column(key):
@@ -330,9 +330,10 @@ class SparseDecode(DecodeKernel):
             # words are keys 4 quarter .. + 3 of the 16; as the MMA's k indices 2 quarter,
             # + 1, + 8, + 9 they need P in the same order, which p_column stored it in.
             # A loop over the span's 32-key steps rather than every step of a chunk under a
-            # predicate: predicated-off steps still take issue slots, 16 warps' worth.
+            # predicate: predicated-off steps still take issue slots, 16 warps' worth (at 64
+            # keys per CTA, half of P V's). Unrolled by 2 it measured slower.
             col = 32 * warp + 4 * group
-            for ks in cutlass.range(0, span // 32, unroll=PV_UNROLL):
+            for ks in cutlass.range(0, span // 32, unroll=1):
                 for half in cutlass.range_constexpr(2):
                     first = 32 * ks + 16 * half
                     a = ptx.ldmatrix_x4(sP + a_row * P_PITCH + 2 * first + a_col)
@@ -365,8 +366,8 @@ class SparseDecode(DecodeKernel):
             mLatent, mLse, mExchange, mRank, mStep, dcp, heads_own, latent_offset, lse_offset, b
         )
         if cutlass.const_expr(self.clustered):
-            # O / l as F16 blocks, one per column owner, in the (free) row buffers; each peer
-            # gets its block by one bulk copy, and every CTA the (max, sum) stats.
+            # O / l as F16 pieces straight into their column owners' inboxes (this CTA's own
+            # columns into its outbox in the free row buffers), and every CTA the stats.
             sOutbox = base + KV_OFFSET
             cute.arch.cluster_wait()  # every peer's inbound barrier is armed
             self.push_partial(sOutbox, sInbox, inbound, acc, l_run, warp, group, quarter, part)
@@ -377,7 +378,7 @@ class SparseDecode(DecodeKernel):
             cute.arch.sync_threads()  # this CTA's own block is complete in its outbox
             cute.arch.cluster_arrive_relaxed()
             self.merge_blocks(mScales, dest, sOutbox, sInbox, sStats, tile, part, tid)
-            cute.arch.cluster_wait()  # no CTA exits while a copy still reads its outbox
+            cute.arch.cluster_wait()  # no CTA exits while a peer may still address its DSMEM
         else:
             # split 1: the FP32 partial and stats through this CTA's own shared memory.
             for r in cutlass.range_constexpr(2):
