@@ -749,8 +749,10 @@ def dense_check(
     capacity = cache.kv.shape[0]
     selected = aux.tokens >= 0
     rows = flat_rows(jnp.where(selected, aux.tokens, 0), capacity, dcp)
-    keys = cache.kv[rows].astype(jnp.float32) * cache.kv_scale  # [R, K, 576]
-    q = aux.q.astype(jnp.float32) * aux.q_scale
+    # Widened behind a barrier: XLA's GPU GEMM rewriter would otherwise run the logits as an
+    # FP8 GEMM with a reduced-precision accumulator (see reference.exact_operand).
+    keys = jax.lax.optimization_barrier(cache.kv[rows].astype(jnp.float32)) * cache.kv_scale
+    q = jax.lax.optimization_barrier(aux.q.astype(jnp.float32)) * aux.q_scale
     logits = jnp.einsum("rhc,rkc->rhk", q, keys, precision="highest") * cfg.softmax_scale
     probs = jax.nn.softmax(jnp.where(selected[:, None, :], logits, -jnp.inf), axis=-1)
     latent = jnp.einsum("rhk,rkc->rhc", probs, keys[..., :KV_LORA_RANK], precision="highest")

@@ -180,6 +180,57 @@ def _fp8_fed_dots(jaxpr, widened=frozenset()):
     return found
 
 
+def _fp8_convert_chains(jaxpr, rounded=frozenset()):
+    """The convert_element_type eqns in ``jaxpr`` (nested jaxprs included) that widen an FP8
+    value straight from the convert that rounded it (through layout-only ops): the chains
+    XLA's SimplifyFPConversions folds into one convert, dropping the E4M3 rounding.
+    ``rounded``: the invars that are such values."""
+    rounded = set(rounded)
+    found = []
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        ins = [v if isinstance(v, Var) else None for v in eqn.invars]
+        if name == "convert_element_type":
+            if ins[0] in rounded:
+                found.append(eqn)
+            if "float8" in str(eqn.outvars[0].aval.dtype):
+                rounded.add(eqn.outvars[0])
+        elif name in _LAYOUT_ONLY and ins[0] in rounded:
+            rounded.add(eqn.outvars[0])
+        for sub in jaxprs_in_params(eqn.params):
+            inner = {v for v, outer in zip(sub.invars, ins, strict=False) if outer in rounded}
+            found += _fp8_convert_chains(sub, inner)
+    return found
+
+
+def test_fp8_rounding_of_a_producer_is_kept():
+    """In a jitted step that quantizes q or the cache itself, the reference must not widen the
+    quantized values straight from their rounding convert: on GPUs XLA folds f32 -> f8 -> bf16
+    into f32 -> bf16 (the example step's reference was 2.5e-2 off on an H200)."""
+    rng = np.random.default_rng(7)
+    q, kv, rows = make_inputs(rng, 2, 16, CACHE_ROWS, WIDTH)
+    scales = jnp.array([0.1, 1.0], jnp.float32)
+    valid = np.array([WIDTH, 3], np.int32)
+    fp8 = jnp.float8_e4m3fn
+
+    def quantized_decode(q32, kv32):
+        return reference.decode_flat(q32.astype(fp8), kv32.astype(fp8), rows, valid, scales)
+
+    wide = (np.asarray(q, np.float32), np.asarray(kv, np.float32))
+    assert not _fp8_convert_chains(jax.make_jaxpr(quantized_decode)(*wide).jaxpr)
+    weights, key_scales = jnp.ones((2, 1, 8), jnp.float32), jnp.ones((4, 16), jnp.float32)
+    table, limits = jnp.zeros((2, 4), jnp.int32), jnp.full((2, 1), 64, jnp.int32)
+
+    def quantized_scores(q32, keys32):
+        keys8 = keys32.astype(fp8)
+        return reference.index_scores_flat(
+            q32.astype(fp8), weights, keys8, key_scales, table, limits
+        )
+
+    wide = (np.zeros((2, 1, 8, 128), np.float32), np.zeros((4, 16, 128), np.float32))
+    assert not _fp8_convert_chains(jax.make_jaxpr(quantized_scores)(*wide).jaxpr)
+
+
 def test_no_dot_sees_two_fp8_converts():
     """XLA's GPU GEMM rewriter turns dot(convert(f8), convert(f8)) into an FP8 cuBLASLt GEMM
     with a reduced-precision accumulator whatever precision= says (tests/gpu/
