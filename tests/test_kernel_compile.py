@@ -95,6 +95,8 @@ def test_sass(cubin_path, config):
         assert len(re.findall(r"HGMMA\.64x64x16\.F32 R\d+, gdesc\[UR\d+\]", sass)) == 36
         # PV: B (V) read MN-major from shared memory.
         assert len(re.findall(r"HGMMA\.64x256x16\.F32 R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 8
+        # O / l into the outbox (split > 1) or the output rows (split 1) by stmatrix: 16.
+        assert counts.get("STSM", 0) == 16, counts.get("STSM")
         if config.split > 1:  # the cluster merge: st.async pushes over DSMEM
             assert counts.get("STAS", 0) >= 1 and "UCGABAR_WAIT" in counts, counts
         else:
@@ -105,8 +107,9 @@ def test_sass(cubin_path, config):
             assert len(re.findall(r"STG\.E(?!\.STRONG\.SYS)", sass)) <= 2, counts
     else:
         # QK: 18 k-steps, and 9 more for a short chunk's QK half (each warp of a pair takes 9);
-        # PV: 4 steps x 4 n-tiles; each m16n8k32 E4M3 MMA is two HMMA.16816.
-        assert counts.get("HMMA", 0) == 2 * (18 + 9 + 4 * 4), counts.get("HMMA")
+        # each m16n8k32 E4M3 MMA is two HMMA.16816. PV: a loop over the span's 32-key steps
+        # (not unrolled over a chunk's 4), its body 2 k16 halves x 4 n-tiles of F16 m16n8k16.
+        assert counts.get("HMMA", 0) == 2 * (18 + 9) + 2 * 4, counts.get("HMMA")
         assert counts.get("F2FP", 0) > 0  # E4M3 -> F16 unpack and the P / BF16 packing
         assert counts.get("UBLKCP", 0) >= 1  # cp.async.bulk gathers
         if config.split > 1:
