@@ -206,7 +206,7 @@ def _fp8_convert_chains(jaxpr, rounded=frozenset()):
 def test_fp8_rounding_of_a_producer_is_kept():
     """In a jitted step that quantizes q or the cache itself, the reference must not widen the
     quantized values straight from their rounding convert: on GPUs XLA folds f32 -> f8 -> bf16
-    into f32 -> bf16 (the example step's reference was 2.5e-2 off on an H200)."""
+    into f32 -> bf16 (likely why the example step's reference was 2.5e-2 off on an H200)."""
     rng = np.random.default_rng(7)
     q, kv, rows = make_inputs(rng, 2, 16, CACHE_ROWS, WIDTH)
     scales = jnp.array([0.1, 1.0], jnp.float32)
