@@ -14,10 +14,9 @@ split); every thread pushes its 16-byte F16 pieces of O / l straight into the ow
 with st.async (its own columns' pieces into its outbox in the free row buffers), and the (max,
 sum) stats likewise, all completing on the receiver's mbarrier (no outbox copy, proxy fence or
 CTA barrier before the sends); CTA s merges its columns in FP32 and writes them (s = 0: and the
-LSE). With split = 1 the "cluster" is the
-CTA itself: its FP32 partial goes through its own shared memory with plain stores and a CTA
-barrier (DSMEM needs a cluster of at least 2: compute-sanitizer rejects st.async in a 1-CTA
-cluster).
+LSE). With split = 1 the "cluster" is the CTA itself: its FP32 partial goes through its own
+shared memory with plain stores and a CTA barrier (DSMEM needs a cluster of at least 2:
+compute-sanitizer rejects st.async in a 1-CTA cluster).
 
 Parameters are raw pointers and i32 sizes (the ABI: PARAMS in config.py). No size is
 static: the batch is the grid's y extent, and the cache rows, index width K, padded heads and

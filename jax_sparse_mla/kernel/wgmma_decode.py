@@ -118,6 +118,25 @@ def f16_offset(row, column):
     )
 
 
+def store_fragments(acc, inverse, pack, address, tid):
+    """A consumer thread's O accumulators times ``inverse[r]`` (row r), packed in pairs by
+    ``pack``, into shared memory by stmatrix: 16-byte pieces of head rows at ``address(head in
+    tile, column)``. acc[4 g + 2 r + e]: head 16 warp + lane / 4 + 8 r, column 8 g + 2 quad +
+    e. One stmatrix stores column groups g, g + 1 of rows r = 0, 1 (its tile i: g + i / 2, r =
+    i % 2); lane 8 i + j addresses row j of tile i."""
+    group = tid // 128
+    warp, lane = (tid % 128) // 32, tid % 32
+    tile_of_lane, row_of_lane = lane // 8, lane % 8
+    head = 16 * warp + row_of_lane + 8 * (tile_of_lane % 2)
+    for g in range(0, WG_COLS // 8, 2):
+        words = []
+        for i in range(4):
+            v, r = 4 * (g + i // 2) + 2 * (i % 2), i % 2
+            words.append(pack(acc[v] * inverse[r], acc[v + 1] * inverse[r]))
+        column = group * WG_COLS + 8 * (g + tile_of_lane // 2)
+        ptx.stmatrix_x4(address(head, column), words)
+
+
 class WgmmaDecode(DecodeKernel):
     """Sparse decode of B rows x Hp heads over rows [B, K] (grid: ceil(Hp / WG_HEADS) * split,
     B; clusters of split CTAs)."""
@@ -534,16 +553,13 @@ class WgmmaDecode(DecodeKernel):
         quad = lane % 4
         if tid < WG_CONSUMERS:  # the producer warpgroup holds no accumulators
             norms = [self.normaliser(out_scale, totals[r]) for r in range(2)]
-            # As fill_outbox: one stmatrix per two column groups of both rows.
-            tile_of_lane, row_of_lane = lane // 8, lane % 8
-            row = 16 * warp + row_of_lane + 8 * (tile_of_lane % 2)
-            for g in cutlass.range_constexpr(0, WG_COLS // 8, 2):
-                words = []
-                for i in cutlass.range_constexpr(4):
-                    v, inverse = 4 * (g + i // 2) + 2 * (i % 2), norms[i % 2][1]
-                    words.append(ptx.bf16x2(acc[v] * inverse, acc[v + 1] * inverse))
-                column = group * WG_COLS + 8 * (g + tile_of_lane // 2)
-                ptx.stmatrix_x4(sOut + row * WG_OUT_PITCH + column * 2, words)
+            store_fragments(
+                acc,
+                [norm[1] for norm in norms],
+                ptx.bf16x2,
+                lambda row, column: sOut + row * WG_OUT_PITCH + column * 2,
+                tid,
+            )
             for r in cutlass.range_constexpr(2):
                 nonempty = norms[r][0]
                 head = tile * WG_HEADS + 16 * warp + lane // 4 + 8 * r
@@ -569,22 +585,16 @@ class WgmmaDecode(DecodeKernel):
     def fill_outbox(self, sOutbox, acc, totals, tid):
         """This CTA's partial O / l as F16 into the outbox (0 for a head without live keys),
         block ``owner`` holding the columns CTA ``owner`` merges."""
-        group = tid // 128
-        warp, lane = (tid % 128) // 32, tid % 32
         inverse = [ptx.where(totals[r] != Float32(0.0), 1.0 / totals[r], 0.0) for r in range(2)]
-        # acc[4 g + 2 r + e]: head 16 warp + lane / 4 + 8 r, column 8 g + 2 quad + e. One
-        # stmatrix stores column groups g, g + 1 of rows r = 0, 1 (its tile i: g + i / 2, r =
-        # i % 2); lane 8 i + j addresses row j of tile i, a 16-byte piece of the outbox.
-        tile_of_lane, row_of_lane = lane // 8, lane % 8
-        head = 16 * warp + row_of_lane + 8 * (tile_of_lane % 2)
-        for g in cutlass.range_constexpr(0, WG_COLS // 8, 2):
-            words = []
-            for i in cutlass.range_constexpr(4):
-                v, r = 4 * (g + i // 2) + 2 * (i % 2), i % 2
-                words.append(ptx.f16x2(acc[v] * inverse[r], acc[v + 1] * inverse[r]))
-            column = group * WG_COLS + 8 * (g + tile_of_lane // 2)
-            piece = self.piece_at(sOutbox, column // self.cols, head, column % self.cols)
-            ptx.stmatrix_x4(piece, words)
+        store_fragments(
+            acc,
+            inverse,
+            ptx.f16x2,
+            lambda head, column: self.piece_at(
+                sOutbox, column // self.cols, head, column % self.cols
+            ),
+            tid,
+        )
 
     @cute.jit
     def push(self, sOutbox, sInbox, sStats, inbound, m_run, totals, part, tid):
