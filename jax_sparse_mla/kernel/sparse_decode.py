@@ -187,6 +187,8 @@ class SparseDecode(DecodeKernel):
         row = self.load_row(rows_base, min(reach, Int32(CHUNK)), 0, lane, slot)
         query = self.load_query(mQ, b, tile, heads, tid)
         scale_log2 = ptx.load_global_f32(mScales.toint())
+        # Read now, used by the merge: a global load there put its latency on the critical path.
+        out_scale = ptx.load_global_f32(mScales.toint() + 4)
         n = ptx.load_global_i32(mValid.toint() + Int64(b) * 4)
         self.store_query(sQ, query, tid)
         n = max(min(n, width), Int32(0))
@@ -376,7 +378,7 @@ class SparseDecode(DecodeKernel):
             ptx.mbarrier_wait_cluster(inbound, 0)  # every source's block of these columns
             cute.arch.sync_threads()  # this CTA's own block is complete in its outbox
             cute.arch.cluster_arrive_relaxed()
-            self.merge_blocks(mScales, dest, sOutbox, sInbox, sStats, tile, part, tid)
+            self.merge_blocks(out_scale, dest, sOutbox, sInbox, sStats, tile, part, tid)
             cute.arch.cluster_wait()  # no CTA exits while a peer may still address its DSMEM
         else:
             # split 1: the FP32 partial and stats through this CTA's own shared memory.
@@ -391,7 +393,7 @@ class SparseDecode(DecodeKernel):
                     ptx.store_shared_f32(sStats + head * 4, m_run[r])
                     ptx.store_shared_f32(sStats + (HEADS + head) * 4, l_run[r])
             cute.arch.sync_threads()  # the CTA's own partial and stats are in place
-            self.merge(mScales, dest, sInbox, sStats, tile, part, tid)
+            self.merge(out_scale, dest, sInbox, sStats, tile, part, tid)
         self.finish_push(dest, x, tile, HEADS, tid)
 
     @cute.jit
@@ -499,7 +501,7 @@ class SparseDecode(DecodeKernel):
     @cute.jit
     def merge_blocks(
         self,
-        mScales: cute.Pointer,
+        out_scale,
         dest,
         sOutbox,
         sInbox,
@@ -513,7 +515,6 @@ class SparseDecode(DecodeKernel):
         thread t takes piece t % (cols / 8) (8 columns) of head t / (cols / 8)."""
         pieces = self.cols // 8
         if tid < HEADS * pieces:
-            out_scale = ptx.load_global_f32(mScales.toint() + 4)
             head, piece = tid // pieces, tid % pieces
             top, total, merged = self.merge_sources(
                 sOutbox, sInbox, sStats, HEADS, head, part, [8 * piece]
@@ -534,7 +535,7 @@ class SparseDecode(DecodeKernel):
     @cute.jit
     def merge(
         self,
-        mScales: cute.Pointer,
+        out_scale,
         dest,
         sInbox,
         sStats,
@@ -544,7 +545,6 @@ class SparseDecode(DecodeKernel):
     ):
         """Columns part * cols .. + cols of the 16 heads over the cluster's FP32 partials:
         thread t takes head t // 32, per_lane columns."""
-        out_scale = ptx.load_global_f32(mScales.toint() + 4)
         neg_inf = Float32(-math.inf)
         head, lane = tid // 32, tid % 32
         top = neg_inf
