@@ -50,10 +50,10 @@ def as_stored(q):
     cannot fold a producer's rounding to E4M3 into our widening. With excess precision
     allowed (the GPU default) its SimplifyFPConversions turns f32 -> f8 -> bf16 into f32 ->
     bf16: in a jitted step that quantizes q, the reference would attend with the unrounded q
-    (the likely cause of the example step's reference being 2.5e-2 off on an H200 while the
-    kernel path is 1.7e-3 off; session 23, the fix not yet run on a GPU). Cache rows need
-    none: the gather between their rounding and our widening breaks the chain (and a barrier
-    on the whole cache costs a copy of it)."""
+    (the example step's reference was 2.5e-2 off on an H200 while the kernel path was 1.7e-3
+    off; with the barrier both are 1.7e-3 off). Cache rows need none: the gather between
+    their rounding and our widening breaks the chain (and a barrier on the whole cache costs
+    a copy of it)."""
     return jax.lax.optimization_barrier(q)
 
 
