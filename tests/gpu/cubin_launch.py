@@ -75,6 +75,9 @@ class CubinKernel:
         self.function = check(cu.cuModuleGetFunction(self.module, meta["kernel_name"].encode()))
         attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         check(cu.cuFuncSetAttribute(self.function, attribute, meta["smem_bytes"]))
+        if int(np.prod(meta["cluster"])) > 8:  # a non-portable size, as the FFI handler allows
+            attribute = cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+            check(cu.cuFuncSetAttribute(self.function, attribute, 1))
 
     def launch(
         self,
