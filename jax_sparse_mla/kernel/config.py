@@ -151,8 +151,14 @@ class KernelConfig:
         return f"{self.variant}-h{self.head_tile}-s{self.split}"
 
     @property
+    def tiles(self) -> int:
+        """16-head tiles per cluster: cluster-mma's s2 / s4 pair two tiles (experiment), whose
+        CTAs share their keys' rows by multicast."""
+        return 2 if self.variant == "cluster-mma" and self.split in PAIR_SPLITS else 1
+
+    @property
     def head_tile(self) -> int:
-        return _LAUNCH[self.variant][0]
+        return _LAUNCH[self.variant][0] * self.tiles
 
     @property
     def block(self) -> tuple[int, int, int]:
@@ -160,12 +166,14 @@ class KernelConfig:
 
     @property
     def cluster(self) -> tuple[int, int, int]:
-        return (self.split, 1, 1)
+        return (self.split * self.tiles, 1, 1)
 
     @property
     def smem_bytes(self) -> int:
         return _LAUNCH[self.variant][2]
 
+
+PAIR_SPLITS = (2, 4)  # experiment: cluster-mma splits whose clusters pair two head tiles
 
 VARIANTS = {
     # The seed's design: clusters of split CTAs per 16 heads, FP8 mma.sync, DSMEM merge.

@@ -104,16 +104,17 @@ class DecodeKernel:
         )
 
     @cute.jit
-    def push_stats(self, sStats, inbound, part, head, tile_heads: int, maximum, total):
+    def push_stats(self, sStats, inbound, part, head, tile_heads: int, maximum, total, rank_base=0):
         """This CTA's (max, sum) of ``head`` into every cluster CTA's stats
         ([split, 2, tile_heads] f32, slot ``part``): st.async on each receiver's inbound
         barrier, for the cluster merge."""
         m_dst = sStats + ((part * 2 + 0) * tile_heads + head) * 4
         l_dst = sStats + ((part * 2 + 1) * tile_heads + head) * 4
         for peer in cutlass.range_constexpr(self.split):
-            peer_inbound = ptx.map_peer(inbound, peer)
-            ptx.push_f32(ptx.map_peer(m_dst, peer), maximum, peer_inbound)
-            ptx.push_f32(ptx.map_peer(l_dst, peer), total, peer_inbound)
+            rank = rank_base + peer
+            peer_inbound = ptx.map_peer(inbound, rank)
+            ptx.push_f32(ptx.map_peer(m_dst, rank), maximum, peer_inbound)
+            ptx.push_f32(ptx.map_peer(l_dst, rank), total, peer_inbound)
 
     @cute.jit
     def send_blocks(self, sOutbox, sInbox, inbound, part):

@@ -367,6 +367,18 @@ def copy_g2s(dst, src, size: int, bar, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def copy_g2s_multicast(dst, src, size: int, bar, mask, *, loc=None, ip=None) -> None:
+    """copy_g2s into the same offsets (``dst``, ``bar``) of every cluster CTA in ``mask``."""
+    code = (
+        "{ .reg .b16 m; cvt.u16.u32 m, $3; "
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster "
+        f"[$0], [$1], {size}, [$2], m; }}"
+    )
+    operands = [_i32(dst, loc, ip), _i64(src, loc, ip), _i32(bar, loc, ip), _i32(mask, loc, ip)]
+    _asm(None, operands, code, "r,l,r,r,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
 def copy_s2c(dst, src, size: int, bar, *, loc=None, ip=None) -> None:
     """cp.async.bulk of ``size`` bytes from this CTA's shared memory to a peer's (``dst`` and
     ``bar`` shared::cluster addresses), completing tx bytes on the peer's ``bar``."""

@@ -116,6 +116,7 @@ class SparseDecode(DecodeKernel):
         split = config.split
         # split 1 has no peers: its partial stays in its own shared memory (no DSMEM).
         self.clustered = split > 1
+        self.tiles = config.tiles  # 2: the cluster pairs two head tiles (multicast gathers)
         self.merge_layout(HEADS)  # cols: latent columns each CTA merges
         # The merge: 32 lanes x per_lane columns per head, in pieces of up to 4 floats.
         self.per_lane = self.cols // 32
@@ -154,7 +155,16 @@ class SparseDecode(DecodeKernel):
 
         tid, _, _ = cute.arch.thread_idx()
         x, b, _ = cute.arch.block_idx()
-        tile, part = x // self.split, x % self.split
+        # Cluster rank = x % (tiles * split) = pair member * split + part.
+        member = (x % (self.tiles * self.split)) // self.split
+        tile = (x // (self.tiles * self.split)) * self.tiles + member
+        part = x % self.split
+        rank_base = member * self.split
+        real = tile * HEADS < heads  # a pair's second tile past the padded heads: no output
+        # Multicast targets: this part's CTA of each tile of the pair.
+        mask = Int32(0)
+        for t in cutlass.range_constexpr(self.tiles):
+            mask = mask | (Int32(1) << (t * self.split + part))
         lane, warp = tid % 32, tid // 32
         group, quarter = lane // 4, lane % 4
         # Key slot of this thread in the gathers (lanes < SLOTS): spread over the warps, since
@@ -185,7 +195,7 @@ class SparseDecode(DecodeKernel):
         rows_base = mRows.toint() + (Int64(b) * width + part) * 4
         reach = (width - part + self.split - 1) // self.split  # this CTA's positions in rows[b]
         row = self.load_row(rows_base, min(reach, Int32(CHUNK)), 0, lane, slot)
-        query = self.load_query(mQ, b, tile, heads, tid)
+        query = self.load_query(mQ, b, min(tile, heads // HEADS - 1), heads, tid)
         scale_log2 = ptx.load_global_f32(mScales.toint())
         # Read now, used by the merge: a global load there put its latency on the critical path.
         out_scale = ptx.load_global_f32(mScales.toint() + 4)
@@ -208,9 +218,14 @@ class SparseDecode(DecodeKernel):
         b_row = 8 * warp + lane % 8
         b_col = 16 * (lane // 8)
         chunks = (mine + CHUNK - 1) // CHUNK
+        if cutlass.const_expr(self.tiles > 1):
+            # The pair's multicasts land in this CTA: every barrier of the cluster is armed.
+            cute.arch.cluster_wait()
         # Slot t's row index is loaded a chunk ahead of its gather.
         if chunks > 0:
-            self.gather(mKV, sKV, sLive, bar, row, mine, 0, n_rows, row_bytes, lane, slot)
+            self.gather(
+                mKV, sKV, sLive, bar, row, mine, 0, n_rows, row_bytes, lane, slot, member, mask
+            )
             row = self.load_row(rows_base, mine, 1, lane, slot)
         for c in cutlass.range(0, chunks, unroll=1):
             stage = c % STAGES
@@ -229,6 +244,8 @@ class SparseDecode(DecodeKernel):
                     row_bytes,
                     lane,
                     slot,
+                    member,
+                    mask,
                 )
                 row = self.load_row(rows_base, mine, c + 2, lane, slot)
             count = min(mine - c * CHUNK, Int32(CHUNK))
@@ -370,15 +387,21 @@ class SparseDecode(DecodeKernel):
             # O / l as F16 pieces straight into their column owners' inboxes (this CTA's own
             # columns into its outbox in the free row buffers), and every CTA the stats.
             sOutbox = base + KV_OFFSET
-            cute.arch.cluster_wait()  # every peer's inbound barrier is armed
-            self.push_partial(sOutbox, sInbox, inbound, acc, l_run, warp, group, quarter, part)
+            if cutlass.const_expr(self.tiles == 1):
+                cute.arch.cluster_wait()  # every peer's inbound barrier is armed
+            self.push_partial(
+                sOutbox, sInbox, inbound, acc, l_run, warp, group, quarter, part, rank_base
+            )
             if (warp == 0) & (quarter == 0):
                 for r in cutlass.range_constexpr(2):
-                    self.push_stats(sStats, inbound, part, group + 8 * r, HEADS, m_run[r], l_run[r])
+                    head = group + 8 * r
+                    self.push_stats(
+                        sStats, inbound, part, head, HEADS, m_run[r], l_run[r], rank_base
+                    )
             ptx.mbarrier_wait_cluster(inbound, 0)  # every source's block of these columns
             cute.arch.sync_threads()  # this CTA's own block is complete in its outbox
             cute.arch.cluster_arrive_relaxed()
-            self.merge_blocks(out_scale, dest, sOutbox, sInbox, sStats, tile, part, tid)
+            self.merge_blocks(out_scale, dest, sOutbox, sInbox, sStats, tile, part, real, tid)
             cute.arch.cluster_wait()  # no CTA exits while a peer may still address its DSMEM
         else:
             # split 1: the FP32 partial and stats through this CTA's own shared memory.
@@ -431,7 +454,20 @@ class SparseDecode(DecodeKernel):
 
     @cute.jit
     def gather(
-        self, mKV: cute.Pointer, sKV, sLive, bar, row, mine, c, n_rows, row_bytes, lane, slot
+        self,
+        mKV: cute.Pointer,
+        sKV,
+        sLive,
+        bar,
+        row,
+        mine,
+        c,
+        n_rows,
+        row_bytes,
+        lane,
+        slot,
+        member,
+        mask,
     ):
         """Chunk c's cache rows into sKV (bulk copies on ``bar``; the thread of slot t: key t):
         the first ROW bytes of each row, rows ``row_bytes`` apart in the cache.
@@ -443,7 +479,16 @@ class SparseDecode(DecodeKernel):
         live = (slot < count) & (row >= 0) & (row < n_rows)
         if live:
             ptx.mbarrier_arrive_expect_tx(bar, ROW)
-            ptx.copy_g2s(sKV + slot * PITCH, mKV.toint() + Int64(row) * row_bytes, ROW, bar)
+            src = mKV.toint() + Int64(row) * row_bytes
+            if cutlass.const_expr(self.tiles > 1):
+                # The pair's first STAGES chunks: each CTA copies every other row into both
+                # (a stage is reused from chunk STAGES on, when a peer may still read it).
+                if c >= STAGES:
+                    ptx.copy_g2s(sKV + slot * PITCH, src, ROW, bar)
+                elif slot % self.tiles == member:
+                    ptx.copy_g2s_multicast(sKV + slot * PITCH, src, ROW, bar, mask)
+            else:
+                ptx.copy_g2s(sKV + slot * PITCH, src, ROW, bar)
         elif lane < SLOTS:
             if slot < span:
                 # V of a skipped or absent key: zero (its P is zero; stale bytes may be NaN).
@@ -476,7 +521,9 @@ class SparseDecode(DecodeKernel):
                 ptx.store_shared_v4(sQ + q_row * PITCH + 16 * piece, w[0], w[1], w[2], w[3])
 
     @cute.jit
-    def push_partial(self, sOutbox, sInbox, inbound, acc, l_run, warp, group, quarter, part):
+    def push_partial(
+        self, sOutbox, sInbox, inbound, acc, l_run, warp, group, quarter, part, rank_base
+    ):
         """This CTA's O / l (0 for a head without live keys) as F16 pieces (each thread's 8
         consecutive columns 32 w + 8 q .. of heads group, group + 8): a piece of a peer's
         columns straight into slot ``part`` of that peer's inbox (st.async on its inbound
@@ -496,7 +543,8 @@ class SparseDecode(DecodeKernel):
                 ptx.store_shared_v4(self.piece_at(sOutbox, part, head, column % self.cols), *words)
             else:
                 slot = self.piece_at(sInbox, part, head, column % self.cols)
-                ptx.push_v4(ptx.map_peer(slot, owner), *words, ptx.map_peer(inbound, owner))
+                rank = rank_base + owner
+                ptx.push_v4(ptx.map_peer(slot, rank), *words, ptx.map_peer(inbound, rank))
 
     @cute.jit
     def merge_blocks(
@@ -508,6 +556,7 @@ class SparseDecode(DecodeKernel):
         sStats,
         tile,
         part,
+        real,
         tid,
     ):
         """Columns part * cols .. + cols of the 16 heads over the cluster's F16 blocks, weighted
@@ -525,7 +574,7 @@ class SparseDecode(DecodeKernel):
             words = [
                 ptx.bf16x2(merged[2 * e] * inverse, merged[2 * e + 1] * inverse) for e in range(4)
             ]
-            if keep:
+            if keep & real:
                 ptx.store_global_v4(latent + col * 2, words)
                 if (part == 0) & (piece == 0):
                     # P was scaled by 448 = 2^LOG2_P_SCALE: so were the sums.
