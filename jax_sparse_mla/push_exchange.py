@@ -271,7 +271,7 @@ def _gather_lowering(ctx, queries, rank, step, *, dcp_size, padded, config):
         step,
         dcp_size=np.int64(dcp_size),
         head_tile=np.int64(config.head_tile),
-        split=np.int64(config.split),
+        split=np.int64(config.cluster[0]),  # the decode's CTAs per head tile
     )
 
 
@@ -285,7 +285,7 @@ def _merge_lowering(ctx, token, step, *, dcp_size, batch, heads_own, config):
         step,
         dcp_size=np.int64(dcp_size),
         head_tile=np.int64(config.head_tile),
-        split=np.int64(config.split),
+        split=np.int64(config.cluster[0]),  # the decode's CTAs per head tile
     )
 
 

@@ -22,7 +22,12 @@ import jax_sparse_mla
 from jax_sparse_mla import cuda_lowering, index_lowering
 from jax_sparse_mla.kernel import compile as kernel_compile
 from jax_sparse_mla.kernel import dispatch
-from jax_sparse_mla.kernel.config import PARAMS, KernelConfig, KernelUnavailableError
+from jax_sparse_mla.kernel.config import (
+    PAIR_SPLITS,
+    PARAMS,
+    KernelConfig,
+    KernelUnavailableError,
+)
 
 B, H, K, N = 5, 20, 64, 1000  # H pads to 32 heads
 HP = 32
@@ -163,7 +168,7 @@ def test_lowering_follows_the_dispatch_rule(fake_kernel, batch, heads, width, co
     measured times (BENCHMARKS.md, sessions 6 and 7) behind each pick."""
     args = _args(batch=batch, heads=heads, width=width)
     (attrs,) = _custom_call_attributes(_cuda_text("cute", args))
-    assert attrs["cluster"] == [config.split, 1, 1]
+    assert attrs["cluster"] == list(config.cluster)
     assert attrs["head_tile"] == config.head_tile and attrs["block"] == list(config.block)
     padded = -(-heads // 16) * 16
     assert dispatch.choose_config(batch, padded, width) == config
@@ -182,7 +187,7 @@ def test_lowering_follows_the_dispatch_rule(fake_kernel, batch, heads, width, co
 def test_valid_hint_steers_the_dispatch(fake_kernel, valid_hint, config):
     args = _args(batch=5, heads=128, width=2048)
     (attrs,) = _custom_call_attributes(_cuda_text("cute", args, valid_hint=valid_hint))
-    assert attrs["cluster"] == [config.split, 1, 1]
+    assert attrs["cluster"] == list(config.cluster)
     assert attrs["head_tile"] == config.head_tile
 
 
@@ -232,7 +237,9 @@ def test_kernel_config_forces_a_config(fake_kernel, split):
     args = _args(batch=64, heads=128, width=8)  # the rule would take split 1
     config = KernelConfig(split=split)
     (attrs,) = _custom_call_attributes(_cuda_text("cute", args, kernel_config=config))
-    assert attrs["cluster"] == [split, 1, 1]
+    # s2 and s4 clusters pair two head tiles (multicast gathers): 2 x split CTAs per cluster
+    assert attrs["cluster"] == [split * (2 if split in PAIR_SPLITS else 1), 1, 1]
+    assert attrs["head_tile"] == (32 if split in PAIR_SPLITS else 16)
 
 
 def test_fingerprint_covers_the_kernel_but_not_the_dispatch_rule(tmp_path, monkeypatch):
@@ -345,7 +352,7 @@ def test_shipped_cubin_serves_shapes_never_compiled(without_dsl):
         text = _cuda_text("cute", args)
         (attrs,) = _custom_call_attributes(text)
         assert attrs["cubin"].tobytes() == cubin_path.read_bytes()
-        assert attrs["cluster"] == [config.split, 1, 1]
+        assert attrs["cluster"] == list(config.cluster)
         assert f"tensor<{cache_rows}x{row_bytes}xf8E4M3FN>" in text  # padded rows, no copy
         assert f"tensor<{batch}x{padded}x576xf8E4M3FN>" in text
         jax.clear_caches()

@@ -60,11 +60,11 @@ def test_configs_cover_every_split():
 def test_meta_matches_abi(compiled, config):
     meta = compiled.meta
     assert meta["params"] == list(PARAMS)
-    # grid: (ceil(Hp / head_tile) * split, B, 1)
+    # grid: (ceil(Hp / head_tile) * cluster.x, B, 1)
     wgmma = config.variant == "wgmma"
-    assert meta["head_tile"] == config.head_tile == (64 if wgmma else 16)
+    assert meta["head_tile"] == config.head_tile == (64 if wgmma else 16 * config.tiles)
     assert meta["block"] == [384 if wgmma else 512, 1, 1]
-    assert meta["cluster"] == [config.split, 1, 1]
+    assert meta["cluster"] == [config.split * config.tiles, 1, 1]
     smem = WG_SMEM_BYTES if wgmma else SMEM_BYTES
     assert meta["arch"] == "sm_90a" and meta["smem_bytes"] == smem <= 227 * 1024
     assert meta["config"] == {"variant": config.variant, "split": config.split}
@@ -149,7 +149,7 @@ def test_aot_command(tmp_path, capsys):
         (meta_path,) = tmp_path.glob(f"{config.slug}-*.json")
         meta = json.loads(meta_path.read_text())
         assert meta["fingerprint"] == compile.source_fingerprint()
-        assert meta["cluster"] == [config.split, 1, 1]
+        assert meta["cluster"] == list(config.cluster)
         assert meta_path.with_suffix(".cubin").read_bytes()[:4] == b"\x7fELF"
 
 

@@ -33,14 +33,14 @@ _WGMMA_FIXED_US = {1: 5.5, 2: 6.4, 4: 6.8, 8: 7.9}
 _WGMMA_MARGIN = 0.7
 
 
-def active_clusters(split: int, sm_count: int) -> int:
-    """Clusters of ``split`` one-SM CTAs resident at once. A cluster's CTAs share a GPC, so
+def active_clusters(size: int, sm_count: int) -> int:
+    """Clusters of ``size`` one-SM CTAs resident at once. A cluster's CTAs share a GPC, so
     clusters of 4, 8 and 16 leave SMs idle: cuOccupancyMaxActiveClusters on the H200 gives 132,
     66, 30, 15 and 7 for clusters of 1, 2, 4, 8 and 16 (every shipped decode config and the
     index top-k's clusters, one CTA per SM)."""
-    if split <= 2:
-        return sm_count // split
-    return max(1, sm_count * 10 // 11 // split)
+    if size <= 2:
+        return sm_count // size
+    return max(1, sm_count * 10 // 11 // size)
 
 
 def predicted_us(config: KernelConfig, batch: int, padded_heads: int, width: int, sm_count: int):
@@ -48,7 +48,7 @@ def predicted_us(config: KernelConfig, batch: int, padded_heads: int, width: int
     waves of clusters times one CTA's cost for its share of a row's K keys."""
     split = config.split
     clusters = batch * -(-padded_heads // config.head_tile)
-    waves = -(-clusters // active_clusters(split, sm_count))
+    waves = -(-clusters // active_clusters(config.cluster[0], sm_count))
     keys = -(-width // split)
     if config.variant == "wgmma":
         per_cta = -(-keys // WG_KEYS) * _WGMMA_CHUNK_US + _WGMMA_FIXED_US[split]

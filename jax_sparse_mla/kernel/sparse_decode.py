@@ -18,6 +18,14 @@ LSE). With split = 1 the "cluster" is the CTA itself: its FP32 partial goes thro
 shared memory with plain stores and a CTA barrier (DSMEM needs a cluster of at least 2:
 compute-sanitizer rejects st.async in a 1-CTA cluster).
 
+At split 2 and 4 a cluster pairs two 16-head tiles (cluster rank = member * split + part):
+the pair's CTAs of one part read the same rows, so in the first STAGES chunks each issues
+every other row's copy with .multicast::cluster into both (the per-SM TMA issue, ~19 cycles
+per row, was the gather's cost); from chunk STAGES on a stage is reused while the partner may
+still read its copy of it, so each CTA gathers its own rows again. The pair's second tile
+past the padded heads (Hp = 48: tile 3) still gathers and merges, on the last real tile's
+query, and stores nothing.
+
 Parameters are raw pointers and i32 sizes (the ABI: PARAMS in config.py). No size is
 static: the batch is the grid's y extent, and the cache rows, index width K, padded heads and
 cache row pitch arrive as parameters, so one cubin serves every shape. Nothing is read before
@@ -417,7 +425,8 @@ class SparseDecode(DecodeKernel):
                     ptx.store_shared_f32(sStats + (HEADS + head) * 4, l_run[r])
             cute.arch.sync_threads()  # the CTA's own partial and stats are in place
             self.merge(out_scale, dest, sInbox, sStats, tile, part, tid)
-        self.finish_push(dest, x, tile, HEADS, tid)
+        # The exchange's flags cover a cluster's head tile: a pair's 32 heads.
+        self.finish_push(dest, x, tile // self.tiles, HEADS * self.tiles, tid)
 
     @cute.jit
     def qk_half(self, sQ, sKVc, s, pair, half, lane, a_row, a_col):

@@ -138,11 +138,13 @@ def test_probe_cubin_through_handler(tmp_path, monkeypatch):
     )  # fmt: skip
 
     def probe_kernel(config):
+        # The probe's own geometry (16 heads per cluster of split CTAs), whatever the config
+        # pairs: the handler must launch whatever the meta says.
         meta = {
             "kernel_name": "probe",
-            "head_tile": config.head_tile,
+            "head_tile": 16,
             "block": list(config.block),
-            "cluster": list(config.cluster),
+            "cluster": [config.split, 1, 1],
             "smem_bytes": smem,
             "params": list(PARAMS),
         }
