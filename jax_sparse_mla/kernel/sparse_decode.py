@@ -578,7 +578,10 @@ class SparseDecode(DecodeKernel):
                 sOutbox, sInbox, sStats, HEADS, head, part, [8 * piece]
             )
             nonempty, inverse = self.normaliser(out_scale, total)
-            latent, lse_at, keep = self.row_target(dest, tile * HEADS + head)
+            # A phantom tile's heads would name owners past the exchange's: use tile 0's (no
+            # store follows).
+            own_head = ptx.where_i32(real, tile * HEADS + head, head)
+            latent, lse_at, keep = self.row_target(dest, own_head)
             col = part * self.cols + 8 * piece
             words = [
                 ptx.bf16x2(merged[2 * e] * inverse, merged[2 * e + 1] * inverse) for e in range(4)
