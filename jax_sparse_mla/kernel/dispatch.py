@@ -66,12 +66,12 @@ def choose_config(
     Each variant's split with the smallest predicted time (``predicted_us``; ties to the
     smaller split: a cluster that saves no time only adds its merge), and wgmma's only where
     it is predicted 30% faster than cluster-mma's (``_WGMMA_MARGIN``). Measured (us, the
-    pick first): latency-h96 (256 of 2048 keys) cluster-mma s4 7.4 (wgmma s8 9.9);
-    rank-full (B=5, H=128, 2048 keys) wgmma s8 16.8 (cluster-mma s8 36.3); B=16 wgmma s2
-    41.5 (s4 47.7, cluster-mma s1 74.4); throughput (B=64) wgmma s1 88.1 (s2 96.2). K = 128,
-    H = 128 (all valid): B=1 cluster-mma s2 6.8 (s4 6.6, s1 7.9); B=5 s2 6.9 (s1 8.1); B=16
-    s1 9.2 (wgmma s2 9.2); B=64 wgmma s1 16.6 (cluster-mma s1 32.4); B=256 wgmma s1 63.5
-    (cluster-mma s1 128.9).
+    pick first; session 25, cluster-mma s2 / s4 as head-tile pairs): latency-h96 (256 of
+    2048 keys) cluster-mma s4 6.1 (wgmma s4 9.0); rank-full (B=5, H=128, 2048 keys) wgmma s8
+    16.6 (cluster-mma s8 35.2); B=16 wgmma s2 39.7 (s4 46.6, cluster-mma s1 70.8); throughput
+    (B=64) wgmma s1 77.8 (s2 87.2). K = 128, H = 128 (all valid): B=1 cluster-mma s2 5.7
+    (s4 5.2, s8 5.5); B=5 s2 5.9 (s1 8.1); B=16 s1 9.1 (wgmma s2 9.5); B=64 wgmma s1 12.2
+    (cluster-mma s1 31.2).
     """
     assert padded_heads % HEADS == 0 and WG_HEADS % HEADS == 0
 
