@@ -104,6 +104,13 @@ def sum_chains(parts, s):
         s[e] = total
 
 
+def max_over_warps(sRed, entry, value, warps):
+    """The max of ``value`` (warp 0's) and warps 1 .. warps - 1's maxima at sRed's ``entry``."""
+    for w in range(1, warps):
+        value = cute.arch.fmax(value, ptx.load_shared_f32(sRed + (w * HEADS + entry) * 4))
+    return value
+
+
 def transpose4(w):
     """Bytes of four words -> four words of bytes: out[j] = (w0.j, w1.j, w2.j, w3.j)."""
     lo01, hi01 = ptx.prmt(w[0], w[1], 0x5140), ptx.prmt(w[0], w[1], 0x7362)
@@ -311,10 +318,13 @@ class SparseDecode(DecodeKernel):
             alpha = cute.make_rmem_tensor((2,), Float32)
             m_new = cute.make_rmem_tensor((2,), Float32)
             for r in cutlass.range_constexpr(2):
-                chunk_max = ptx.load_shared_f32(sRed + (group + 8 * r) * 4)
-                for w in cutlass.range_constexpr(1, QK_WARPS):
-                    other = ptx.load_shared_f32(sRed + (w * HEADS + group + 8 * r) * 4)
-                    chunk_max = cute.arch.fmax(chunk_max, other)
+                entry = group + 8 * r
+                chunk_max = ptx.load_shared_f32(sRed + entry * 4)
+                if span <= CHUNK // 2:
+                    # A short chunk's keys are on warps 0 .. PAIRS - 1 (the others' are dead).
+                    chunk_max = max_over_warps(sRed, entry, chunk_max, PAIRS)
+                else:
+                    chunk_max = max_over_warps(sRed, entry, chunk_max, QK_WARPS)
                 m_new[r] = cute.arch.fmax(m_run[r], chunk_max)
                 rise = cute.math.exp2(m_run[r] - m_new[r], fastmath=True)
                 alpha[r] = ptx.where(m_run[r] != neg_inf, rise, 1.0)
