@@ -142,22 +142,23 @@ def test_lowering_emits_custom_call_with_cubin(fake_kernel):
 @pytest.mark.parametrize(
     "batch, heads, width, config",
     [
-        (5, 96, 256, KernelConfig(split=4)),  # latency-h96: 8.7 us (split 2 9.4)
-        (5, 128, 256, KernelConfig(split=2)),  # latency-h128: 40 clusters of 4 take 2 waves
+        (5, 96, 256, KernelConfig(split=4)),  # latency-h96: 5.8 us (split 2 7.2)
+        (5, 128, 256, KernelConfig(split=2)),  # 7.2 us (split 4: 20 clusters of 8, 2 waves, 11.0)
         (5, 96, 1024, KernelConfig(split=4)),  # wgmma split 8 not predicted 20% faster
-        (5, 96, 2048, KernelConfig(split=4)),  # 7.4 us at 256 valid keys (wgmma s8 9.9)
-        (5, 128, 2048, KernelConfig("wgmma", 8)),  # rank-full: 16.8 us (split 8 36.3)
-        (16, 128, 2048, KernelConfig("wgmma", 2)),  # 41.5 us (cluster-mma split 1 74.4)
+        (5, 96, 2048, KernelConfig(split=4)),  # 5.8 us at 256 valid keys (wgmma s8 10.2)
+        (5, 128, 2048, KernelConfig("wgmma", 8)),  # rank-full: 16.6 us (split 8 35.2)
+        (16, 128, 2048, KernelConfig("wgmma", 2)),  # 39.7 us (cluster-mma split 1 70.8)
         (32, 128, 2048, KernelConfig("wgmma", 2)),  # 53.7 us (wgmma split 1 101.3; session 7)
-        (64, 128, 2048, KernelConfig("wgmma", 1)),  # throughput: 88.1 us (split 2 96.2)
-        (1, 128, 128, KernelConfig(split=2)),  # 6.8 us (split 4 6.6, split 1 7.9)
-        (5, 128, 128, KernelConfig(split=2)),  # 6.9 us (split 1 8.1, wgmma split 2 9.0)
-        (16, 128, 128, KernelConfig(split=1)),  # 9.2 us (wgmma split 2 9.2, split 2 13.7)
-        (64, 128, 128, KernelConfig("wgmma", 1)),  # 16.6 us (cluster-mma split 1 32.4)
-        (256, 128, 128, KernelConfig("wgmma", 1)),  # 63.5 us (cluster-mma split 1 128.9)
+        (64, 128, 2048, KernelConfig("wgmma", 1)),  # throughput: 77.8 us (split 2 87.2)
+        (1, 128, 128, KernelConfig(split=2)),  # 5.7 us (split 4 5.2, split 1 7.9)
+        (5, 128, 128, KernelConfig(split=2)),  # 5.9 us (split 1 8.1, wgmma split 2 8.8)
+        (16, 128, 128, KernelConfig(split=1)),  # 9.1 us (wgmma split 2 9.5, split 2 16.3)
+        (64, 128, 128, KernelConfig("wgmma", 1)),  # 12.2 us (cluster-mma split 1 31.2)
+        (256, 128, 128, KernelConfig("wgmma", 1)),  # 63.5 us (split 1 128.9; session 7)
         (5, 96, 128, KernelConfig(split=2)),  # 6.7-7.0 us at 32-128 keys (split 1 7.1-8.1)
         (1, 16, 8, KernelConfig(split=1)),  # one 64-key step either way: no cluster
-        (1, 128, 2048, KernelConfig(split=8)),  # 8 clusters of 8 (13.1 us, split 4 21.8)
+        (1, 128, 2048, KernelConfig(split=8)),  # 8 clusters of 8: 11.7 us (split 4 19.3)
+        (1, 128, 256, KernelConfig(split=8)),  # 5.2 us (split 4, one wave too, 5.6)
         (2, 64, 1024, KernelConfig(split=8)),
         (8, 64, 129, KernelConfig(split=2)),  # 32 clusters of 4 would take 2 waves
     ],
@@ -165,7 +166,7 @@ def test_lowering_emits_custom_call_with_cubin(fake_kernel):
 )
 def test_lowering_follows_the_dispatch_rule(fake_kernel, batch, heads, width, config):
     """Without a GPU the rule assumes the H200's 132 SMs; the comments give the H200's
-    measured times (BENCHMARKS.md, sessions 6 and 7) behind each pick."""
+    measured times (BENCHMARKS.md, session 25 unless noted) behind each pick."""
     args = _args(batch=batch, heads=heads, width=width)
     (attrs,) = _custom_call_attributes(_cuda_text("cute", args))
     assert attrs["cluster"] == list(config.cluster)
