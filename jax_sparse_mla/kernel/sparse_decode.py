@@ -549,7 +549,7 @@ class SparseDecode(DecodeKernel):
         barrier), one of this CTA's own columns into its outbox block ``part``."""
         for r in cutlass.range_constexpr(2):
             head = group + 8 * r
-            inverse = ptx.where(l_run[r] != Float32(0.0), 1.0 / l_run[r], 0.0)
+            _, inverse = self.normaliser(Float32(1.0), l_run[r])
             # acc[j, 2 r + e]: column 32 w + 8 q + 4 e + j
             words = [
                 ptx.f16x2(acc[j, 2 * r + e] * inverse, acc[j + 1, 2 * r + e] * inverse)
@@ -638,12 +638,9 @@ class SparseDecode(DecodeKernel):
                     row = ptx.load_shared_v2_f32(sInbox + (first + v) * 4)
                 for e in cutlass.range_constexpr(self.piece):
                     merged[v + e] = merged[v + e] + weight * row[e]
-        # != rather than >: a NaN total (a NaN logit) must poison the LSE, not empty the row.
-        nonempty = total != Float32(0.0)
-        lse2 = ptx.where(
-            nonempty, top - Float32(LOG2_P_SCALE) + cute.math.log2(total, fastmath=False), neg_inf
-        )
-        inverse = ptx.where(nonempty, out_scale / total, 0.0)
+        # P was scaled by 448 = 2^LOG2_P_SCALE: so were the sums.
+        lse2 = self.log2_lse(total != Float32(0.0), top - Float32(LOG2_P_SCALE), total)
+        _, inverse = self.normaliser(out_scale, total)
         latent, lse_at, keep = self.row_target(dest, tile * HEADS + head)
         col = part * self.cols + self.per_lane * lane
         if keep:

@@ -585,7 +585,7 @@ class WgmmaDecode(DecodeKernel):
     def fill_outbox(self, sOutbox, acc, totals, tid):
         """This CTA's partial O / l as F16 into the outbox (0 for a head without live keys),
         block ``owner`` holding the columns CTA ``owner`` merges."""
-        inverse = [ptx.where(totals[r] != Float32(0.0), 1.0 / totals[r], 0.0) for r in range(2)]
+        inverse = [self.normaliser(Float32(1.0), totals[r])[1] for r in range(2)]
         store_fragments(
             acc,
             inverse,
