@@ -237,31 +237,18 @@ class SparseDecode(DecodeKernel):
             # The pair's multicasts land in this CTA: every barrier of the cluster is armed.
             cute.arch.cluster_wait()
         # Slot t's row index is loaded a chunk ahead of its gather.
+        # What every chunk's gather shares: the cache's shape, this thread's slot, the pair.
+        shared = (n_rows, row_bytes, lane, slot, member, mask)
         if chunks > 0:
-            self.gather(
-                mKV, sKV, sLive, bar, row, mine, 0, n_rows, row_bytes, lane, slot, member, mask
-            )
+            self.gather(mKV, sKV, sLive, bar, row, mine, 0, *shared)
             row = self.load_row(rows_base, mine, 1, lane, slot)
         for c in cutlass.range(0, chunks, unroll=1):
             stage = c % STAGES
             cute.arch.sync_threads()  # chunk c - 1's readers are done; chunk c's V zeros, flags
             if c + 1 < chunks:
                 nxt = (c + 1) % STAGES
-                self.gather(
-                    mKV,
-                    sKV + nxt * (CHUNK * PITCH),
-                    sLive + nxt * (CHUNK * 4),
-                    bar + 8 * nxt,
-                    row,
-                    mine,
-                    c + 1,
-                    n_rows,
-                    row_bytes,
-                    lane,
-                    slot,
-                    member,
-                    mask,
-                )
+                sKVn, sLiven = sKV + nxt * (CHUNK * PITCH), sLive + nxt * (CHUNK * 4)
+                self.gather(mKV, sKVn, sLiven, bar + 8 * nxt, row, mine, c + 1, *shared)
                 row = self.load_row(rows_base, mine, c + 2, lane, slot)
             count = min(mine - c * CHUNK, Int32(CHUNK))
             span = (count + 31) // 32 * 32  # keys the PV steps read
