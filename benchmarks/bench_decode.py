@@ -5,8 +5,9 @@
 
 For each case of DESIGN.md section 4 and sweeps of keys per row (B=5, H=96), rows (H=128,
 2048 keys), heads (B=5, 256 keys) and, on request, rows at K = 128 (H=128), both paths run
-through jax.jit on the same inputs: the kernel as the dispatch rule picks it (and, with
---configs, each config forced) and the jnp reference. Kernel times come from JAX's profiler
+through jax.jit on the same inputs: the kernel as the dispatch rule picks it for the case's
+valid keys (valid_hint = keys, as dcp_decode passes a rank's share; and, with --configs, each
+config forced) and the jnp reference. Kernel times come from JAX's profiler
 (CUPTI kernel durations, split per call; see gpu_profile.py), median and p10/p90 over
 --calls calls. The kernel path is
 implementation="cute": it fails loudly rather than fall back to the reference. Where
@@ -99,7 +100,7 @@ def measure(name, batch, heads, width, keys, calls, configs, sm_count):
     args, unique_rows = make_inputs(batch, heads, width, keys)
     scale = 192**-0.5
     decode = partial(jax_sparse_mla.decode, softmax_scale=scale)
-    kernel = jax.jit(partial(decode, implementation="cute"))
+    kernel = jax.jit(partial(decode, implementation="cute", valid_hint=keys))
     baseline = jax.jit(partial(decode, implementation="reference"))
     want = baseline(*args)
     err, lse_err = _max_diffs(kernel(*args), want)
@@ -127,7 +128,9 @@ def measure(name, batch, heads, width, keys, calls, configs, sm_count):
         "H": heads,
         "K": width,
         "keys": keys,
-        "dispatch": choose_config(batch, -(-heads // HEAD_TILE) * HEAD_TILE, width, sm_count).slug,
+        "dispatch": choose_config(
+            batch, -(-heads // HEAD_TILE) * HEAD_TILE, min(width, keys), sm_count
+        ).slug,
         "kernel_us": k,
         "by_config": by_config,
         "baseline_us": b,

@@ -144,8 +144,11 @@ def test_lowering_emits_custom_call_with_cubin(fake_kernel):
     [
         (5, 96, 256, KernelConfig(split=4)),  # latency-h96: 5.8 us (split 2 7.2)
         (5, 128, 256, KernelConfig(split=2)),  # 7.2 us (split 4: 20 clusters of 8, 2 waves, 11.0)
-        (5, 96, 1024, KernelConfig(split=4)),  # wgmma split 8 not predicted 20% faster
-        (5, 96, 2048, KernelConfig(split=4)),  # 5.8 us at 256 valid keys (wgmma s8 10.2)
+        (5, 96, 1024, KernelConfig(split=4)),  # 10.9 us (wgmma split 8 12.2; session 26)
+        (5, 96, 2048, KernelConfig("wgmma", 8)),  # 16.2 us (split 4 19.5; session 26)
+        (5, 128, 512, KernelConfig("wgmma", 8)),  # 10.5 us (split 2 10.6; session 26)
+        (8, 128, 256, KernelConfig("wgmma", 4)),  # 9.3 us (split 1 12.2; session 26)
+        (64, 64, 64, KernelConfig("wgmma", 1)),  # 8.6 us (split 1 12.6; session 26)
         (5, 128, 2048, KernelConfig("wgmma", 8)),  # rank-full: 16.6 us (split 8 35.2)
         (16, 128, 2048, KernelConfig("wgmma", 2)),  # 39.7 us (cluster-mma split 1 70.8)
         (32, 128, 2048, KernelConfig("wgmma", 2)),  # 53.7 us (wgmma split 1 101.3; session 7)
