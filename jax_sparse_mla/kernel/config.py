@@ -32,7 +32,7 @@ STAGES = 2  # chunk buffers: chunk c + 1 is gathered while chunk c is computed
 KV_OFFSET = 0  # [STAGES, CHUNK, PITCH] u8: gathered cache rows
 Q_OFFSET = KV_OFFSET + STAGES * CHUNK * PITCH  # [HEADS, PITCH] u8: the 16 query rows
 P_OFFSET = Q_OFFSET + HEADS * PITCH  # [HEADS, P_PITCH] u8: F16 P, keys permuted (sparse_decode)
-RED_OFFSET = P_OFFSET + HEADS * P_PITCH  # [2, QK_WARPS, HEADS] f32: chunk maxima, sums
+RED_OFFSET = P_OFFSET + HEADS * P_PITCH  # [2, QK_WARPS * HEADS] f32: chunk maxima, sums
 LIVE_OFFSET = RED_OFFSET + 2 * QK_WARPS * HEADS * 4  # [STAGES, CHUNK] i32: key copied (1)
 # split 1: [HEADS, LATENT] f32, the CTA's partial; split > 1: [split, HEADS, LATENT / split]
 # F16, every source's block of this CTA's columns (normalised partials)

@@ -69,7 +69,7 @@ from jax_sparse_mla.kernel.config import (
 )
 from jax_sparse_mla.kernel.entry import DecodeKernel
 
-assert QK_WARPS == WARPS == HEADS and CHUNK % 32 == 0 and SLOTS <= 32
+assert QK_WARPS == WARPS == HEADS == 16 and CHUNK % 32 == 0 and SLOTS <= 32
 QUERY_STEPS = -(-HEADS * (ROW // 16) // THREADS)  # 16-byte query pieces per thread
 # A chunk of <= CHUNK / 2 keys (the latency shapes' 64 keys per CTA): warp pairs (w, w + PAIRS)
 # split its QK's 18 k32 steps, so every warp works instead of half of them.
@@ -104,10 +104,21 @@ def sum_chains(parts, s):
         s[e] = total
 
 
-def max_over_warps(sRed, entry, value, warps):
-    """The max of ``value`` (warp 0's) and warps 1 .. warps - 1's maxima at sRed's ``entry``."""
-    for w in range(1, warps):
-        value = cute.arch.fmax(value, ptx.load_shared_f32(sRed + (w * HEADS + entry) * 4))
+def red_slot(r, low, high, group):
+    """sRed's f32 index of warp 4 high + low's value for head group + 8 r. Laid out [r][low]
+    [high][group] so that one load by a warp (8 groups x 4 quarters = high) touches 32 banks."""
+    return ((r * 4 + low) * 4 + high) * 8 + group
+
+
+def over_warps(sRed, r, group, quarter, combine):
+    """Head group + 8 r's value over the 16 warps (combine: fmax or add): quarter q reads warps
+    4 q .. 4 q + 3, the quad combines. 4 loads per thread, not 16 (16 warps' loads go through
+    one shared-memory pipe: 512 of them took ~590 cycles)."""
+    value = ptx.load_shared_f32(sRed + red_slot(r, 0, quarter, group) * 4)
+    for low in range(1, 4):
+        value = combine(value, ptx.load_shared_f32(sRed + red_slot(r, low, quarter, group) * 4))
+    for shift in range(2):
+        value = combine(value, cute.arch.shuffle_sync_bfly(value, offset=1 << shift))
     return value
 
 
@@ -299,19 +310,14 @@ class SparseDecode(DecodeKernel):
                     other = cute.arch.shuffle_sync_bfly(top[r], offset=1 << shift)
                     top[r] = cute.arch.fmax(top[r], other)
             if quarter == 0:
-                ptx.store_shared_f32(sRed + (warp * HEADS + group) * 4, top[0])
-                ptx.store_shared_f32(sRed + (warp * HEADS + group + 8) * 4, top[1])
+                for r in cutlass.range_constexpr(2):
+                    entry = red_slot(r, warp % 4, warp // 4, group)
+                    ptx.store_shared_f32(sRed + entry * 4, top[r])
             cute.arch.sync_threads()
             alpha = cute.make_rmem_tensor((2,), Float32)
             m_new = cute.make_rmem_tensor((2,), Float32)
             for r in cutlass.range_constexpr(2):
-                entry = group + 8 * r
-                chunk_max = ptx.load_shared_f32(sRed + entry * 4)
-                if span <= CHUNK // 2:
-                    # A short chunk's keys are on warps 0 .. PAIRS - 1 (the others' are dead).
-                    chunk_max = max_over_warps(sRed, entry, chunk_max, PAIRS)
-                else:
-                    chunk_max = max_over_warps(sRed, entry, chunk_max, QK_WARPS)
+                chunk_max = over_warps(sRed, r, group, quarter, cute.arch.fmax)
                 m_new[r] = cute.arch.fmax(m_run[r], chunk_max)
                 rise = cute.math.exp2(m_run[r] - m_new[r], fastmath=True)
                 alpha[r] = ptx.where(m_run[r] != neg_inf, rise, 1.0)
@@ -377,14 +383,10 @@ class SparseDecode(DecodeKernel):
             for shift in cutlass.range_constexpr(2):
                 l_part[r] = l_part[r] + cute.arch.shuffle_sync_bfly(l_part[r], offset=1 << shift)
             if quarter == 0:
-                ptx.store_shared_f32(sRedSum + (warp * HEADS + group + 8 * r) * 4, l_part[r])
+                entry = red_slot(r, warp % 4, warp // 4, group)
+                ptx.store_shared_f32(sRedSum + entry * 4, l_part[r])
         cute.arch.sync_threads()  # also: every warp is done with the last chunk's rows
-        l_run = []
-        for r in cutlass.range_constexpr(2):
-            total = ptx.load_shared_f32(sRedSum + (group + 8 * r) * 4)
-            for w in cutlass.range_constexpr(1, QK_WARPS):
-                total = total + ptx.load_shared_f32(sRedSum + (w * HEADS + group + 8 * r) * 4)
-            l_run.append(total)
+        l_run = [over_warps(sRedSum, r, group, quarter, lambda a, b: a + b) for r in range(2)]
         dest = self.destination(
             mLatent, mLse, mExchange, mRank, mStep, dcp, heads_own, latent_offset, lse_offset, b
         )
