@@ -104,7 +104,7 @@ def sum_chains(parts, s):
         s[e] = total
 
 
-def red_slot(r, low, high, group):
+def red_index(r, low, high, group):
     """sRed's f32 index of warp 4 high + low's value for head group + 8 r. Laid out [r][low]
     [high][group] so that one load by a warp (8 groups x 4 quarters = high) touches 32 banks."""
     return ((r * 4 + low) * 4 + high) * 8 + group
@@ -114,9 +114,9 @@ def over_warps(sRed, r, group, quarter, combine):
     """Head group + 8 r's value over the 16 warps (combine: fmax or add): quarter q reads warps
     4 q .. 4 q + 3, the quad combines. 4 loads per thread, not 16 (16 warps' loads go through
     one shared-memory pipe: 512 of them took ~590 cycles)."""
-    value = ptx.load_shared_f32(sRed + red_slot(r, 0, quarter, group) * 4)
+    value = ptx.load_shared_f32(sRed + red_index(r, 0, quarter, group) * 4)
     for low in range(1, 4):
-        value = combine(value, ptx.load_shared_f32(sRed + red_slot(r, low, quarter, group) * 4))
+        value = combine(value, ptx.load_shared_f32(sRed + red_index(r, low, quarter, group) * 4))
     for shift in range(2):
         value = combine(value, cute.arch.shuffle_sync_bfly(value, offset=1 << shift))
     return value
@@ -311,7 +311,7 @@ class SparseDecode(DecodeKernel):
                     top[r] = cute.arch.fmax(top[r], other)
             if quarter == 0:
                 for r in cutlass.range_constexpr(2):
-                    entry = red_slot(r, warp % 4, warp // 4, group)
+                    entry = red_index(r, warp % 4, warp // 4, group)
                     ptx.store_shared_f32(sRed + entry * 4, top[r])
             cute.arch.sync_threads()
             alpha = cute.make_rmem_tensor((2,), Float32)
@@ -383,7 +383,7 @@ class SparseDecode(DecodeKernel):
             for shift in cutlass.range_constexpr(2):
                 l_part[r] = l_part[r] + cute.arch.shuffle_sync_bfly(l_part[r], offset=1 << shift)
             if quarter == 0:
-                entry = red_slot(r, warp % 4, warp // 4, group)
+                entry = red_index(r, warp % 4, warp // 4, group)
                 ptx.store_shared_f32(sRedSum + entry * 4, l_part[r])
         cute.arch.sync_threads()  # also: every warp is done with the last chunk's rows
         l_run = [over_warps(sRedSum, r, group, quarter, lambda a, b: a + b) for r in range(2)]
