@@ -7,7 +7,7 @@ index slot is valid it picks the fastest config: at all 25 all-valid shapes of s
 survey (B = 1-64, H = 16-128, K = 64-2048, every config timed; BENCHMARKS.md). Where the
 valid counts are far below K (known only on the GPU) it can pick wgmma where cluster-mma
 would be faster (B=5, H=96, 256 of 2048 keys valid: wgmma split 8 ~10 us, cluster-mma split
-4 5.8): callers that know the counts pass ``valid_hint`` (``dcp_decode`` passes a rank's share).
+4 5.6): callers that know the counts pass ``valid_hint`` (``dcp_decode`` passes a rank's share).
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ _MMA_PER_64_KEYS_US = 2.3
 _MMA_FIXED_US = {1: 3.0, 2: 3.0, 4: 4.4, 8: 4.3}
 _WGMMA_CHUNK_US = 2.17
 _WGMMA_FIXED_US = {1: 5.5, 2: 6.4, 4: 6.8, 8: 7.9}
-# wgmma must be predicted 15% faster than cluster-mma: the fit above overrates cluster-mma's
-# pairs (B=5, H=96, K=1024: 13.6 predicted, 10.9 measured), and with all K valid this margin
-# picks the fastest at the 25 shapes of session 26's survey (0.7 missed 16 of them, up to
-# 1.46x slower: B=64, H=64, K=64 cluster-mma split 1 12.6 us vs wgmma split 1 8.6; 1.0 misses
-# B=5, H=96, K=1024: wgmma split 8 12.2 vs cluster-mma split 4 10.9).
+# wgmma must be predicted 15% faster than cluster-mma: the fit above over-predicts the pairs'
+# times (B=5, H=96, K=1024: cluster-mma split 4 13.6 predicted, 10.9 measured), and with all
+# K valid this margin picks the fastest at the 25 shapes of session 26's survey (0.7 missed
+# 16 of them, up to 1.46x slower: B=64, H=64, K=64 cluster-mma split 1 12.6 us vs wgmma
+# split 1 8.6; 1.0 misses B=5, H=96, K=1024: wgmma split 8 12.2 vs cluster-mma split 4 10.9).
 _WGMMA_MARGIN = 0.85
 
 
@@ -72,7 +72,7 @@ def choose_config(
     it is predicted 15% faster than cluster-mma's (``_WGMMA_MARGIN``). Measured (us, the
     pick first; sessions 25-26, cluster-mma s2 / s4 as head-tile pairs): B=5, H=96, 2048 keys
     all valid wgmma s8 16.2 (cluster-mma s4 19.5); 1024 keys cluster-mma s4 10.9 (wgmma s8
-    12.2); latency-h96 (256 of 2048 keys valid, valid_hint=256) cluster-mma s4 5.8;
+    12.2); latency-h96 (256 of 2048 keys valid, valid_hint=256) cluster-mma s4 5.6;
     rank-full (B=5, H=128, 2048 keys) wgmma s8 16.6 (cluster-mma s8 35.2); B=16 wgmma s2 39.7
     (s4 46.6, cluster-mma s1 70.8); throughput (B=64) wgmma s1 77.8 (s2 87.2). K = 128,
     H = 128 (all valid): B=1 cluster-mma s2 5.7 (s4 5.2, s8 5.5); B=5 s2 5.9 (s1 8.1); B=16
