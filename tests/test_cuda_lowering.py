@@ -125,14 +125,14 @@ def fake_kernel(monkeypatch):
 
 
 def test_lowering_emits_custom_call_with_cubin(fake_kernel):
-    text = _cuda_text("cute")
+    text = _cuda_text("cute", kernel_config=KernelConfig(split=1))
     (attrs,) = _custom_call_attributes(text)
     assert attrs["cubin"].dtype == np.uint8
     assert attrs["cubin"].tobytes() == FAKE_CUBIN
     assert attrs["kernel_name"] == "fake_entry"
     assert attrs["head_tile"] == 16  # the handler's grid: (32 / 16 * 1, B, 1)
     assert attrs["block"] == [512, 1, 1]
-    assert attrs["cluster"] == [1, 1, 1]  # K = 64 keys fit one CTA's chunk: split 1
+    assert attrs["cluster"] == [1, 1, 1]  # split 1: no cluster
     assert (attrs["smem_bytes"], attrs["smem_type"]) == (123456, "i64")
     # The operands are the padded primitive's: q [B, 32, 576], results [B, 32, 512] / [B, 32].
     assert f"tensor<{B}x{HP}x576xf8E4M3FN>" in text
@@ -159,7 +159,8 @@ def test_lowering_emits_custom_call_with_cubin(fake_kernel):
         (64, 128, 128, KernelConfig("wgmma", 1)),  # 12.2 us (cluster-mma split 1 31.2)
         (256, 128, 128, KernelConfig("wgmma", 1)),  # 63.5 us (split 1 128.9; session 7)
         (5, 96, 128, KernelConfig(split=2)),  # 6.7-7.0 us at 32-128 keys (split 1 7.1-8.1)
-        (1, 16, 8, KernelConfig(split=1)),  # one 64-key step either way: no cluster
+        (1, 16, 8, KernelConfig(split=2)),  # 5.13 us (split 1 5.41; session 26)
+        (5, 96, 64, KernelConfig(split=2)),  # 4.91 us (split 1 6.30; session 26)
         (1, 128, 2048, KernelConfig(split=8)),  # 8 clusters of 8: 11.7 us (split 4 19.3)
         (1, 128, 256, KernelConfig(split=8)),  # 5.2 us (split 4, one wave too, 5.6)
         (2, 64, 1024, KernelConfig(split=8)),

@@ -232,8 +232,11 @@ def test_cuda_lowering_has_push_and_merge_and_no_all_to_all(monkeypatch):
     assert "tensor<2xf32>, tensor<i32>, tensor<i32>) -> tensor<1xi32>" in push.group(0)
     assert "heads_own = 16" in push.group(0) and 'kernel_name = "' in push.group(0)
     assert "-> (tensor<5x16x512xbf16>, tensor<5x16xf32>)" in merge.group(0)
-    # The merge awaits the flags of the decode's launch: its tile and split.
-    assert "head_tile = 16" in merge.group(0) and "split = " in merge.group(0)
+    # The merge awaits the flags of the decode's launch: its head tile and CTAs per tile.
+    tile = re.search(r"head_tile = (\d+)", push.group(0)).group(1)
+    per_tile = re.search(r"cluster = dense<\[(\d+),", push.group(0)).group(1)
+    assert f"head_tile = {tile} " in merge.group(0), (tile, merge.group(0))
+    assert f"split = {per_tile} " in merge.group(0), (per_tile, merge.group(0))
     assert "jax_sparse_mla_decode(" not in text  # no plain decode
     token = re.search(r"(%\S+) = stablehlo\.custom_call @jax_sparse_mla_decode_push", text).group(1)
     assert merge.group(2).startswith(token), (token, merge.group(0))

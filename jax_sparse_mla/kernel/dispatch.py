@@ -21,12 +21,14 @@ H200_SMS = 132  # assumed when lowering for CUDA without a local GPU (jax.export
 # keys; split 2: 7.5-7.9 at 128 keys per CTA, 39.1 at 1024; split 4: 7.1-7.4 at 64, 21.8 at
 # 512; split 8: 13.1 in two waves at 32). Split 4's fixed part sits above split 8's so that
 # where both run one wave on one chunk (K = 256: split 4 pairs two head tiles) split 8 wins:
-# B=1, H=128, K=256 measured 5.24 us at split 8, 5.61 at split 4 (session 25).
+# B=1, H=128, K=256 measured 5.24 us at split 8, 5.61 at split 4 (session 25). Split 1's
+# fixed part sits above split 2's so that a single chunk (K <= 64) goes to split 2: 4.8-5.2
+# us vs split 1's 5.4-6.4 at 10 shapes, B = 1-24, H = 16-128, K = 8-64 (session 26).
 # wgmma (session 8's, four loaders per cache row, split 1's output by bulk copies): ~2.17 per
 # 64-key chunk plus a fixed part (B=5, H=96: split 1 14.2 at 256 keys; split 2 10.7 at 128
 # keys per CTA, 40.7 at 1024; split 4 9.0 at 64, 23.9 at 512; split 8 9.9 at 32, 16.8 at 256).
 _MMA_PER_64_KEYS_US = 2.3
-_MMA_FIXED_US = {1: 3.0, 2: 3.0, 4: 4.4, 8: 4.3}
+_MMA_FIXED_US = {1: 3.3, 2: 3.0, 4: 4.4, 8: 4.3}
 _WGMMA_CHUNK_US = 2.17
 _WGMMA_FIXED_US = {1: 5.5, 2: 6.4, 4: 6.8, 8: 7.9}
 # wgmma must be predicted 15% faster than cluster-mma: the fit above over-predicts the pairs'
