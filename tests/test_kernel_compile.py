@@ -72,6 +72,20 @@ def test_meta_matches_abi(compiled, config):
     assert meta["kernel_name"].encode() in compiled.cubin
 
 
+def test_warp_reduction_layout_is_a_bank_free_bijection():
+    """cluster-mma's maxima / sums over the 16 warps: every (head, warp) entry has its own
+    word, and each of a warp's loads (8 head groups x 4 quarters, warps 4 quarter + low) hits
+    32 distinct banks."""
+    from jax_sparse_mla.kernel.sparse_decode import red_index
+
+    entries = [red_index(r, w % 4, w // 4, g) for r in (0, 1) for w in range(16) for g in range(8)]
+    assert sorted(entries) == list(range(2 * 16 * 8))
+    for r in range(2):
+        for low in range(4):
+            banks = {red_index(r, low, q, g) % 32 for g in range(8) for q in range(4)}
+            assert len(banks) == 32, (r, low, banks)
+
+
 def test_entry_params_parse():
     ptx = ".visible .entry k(\n .param .u64 .ptr .global .align 16 k_param_0,\n .param .u32 k_p1\n)"
     assert compile.parse_entry(ptx) == ("k", ["u64", "u32"])
