@@ -112,8 +112,8 @@ def red_index(r, low, high, group):
 
 def over_warps(sRed, r, group, quarter, combine):
     """Head group + 8 r's value over the 16 warps (combine: fmax or add): quarter q reads warps
-    4 q .. 4 q + 3, the quad combines. 4 loads per thread, not 16 (16 warps' loads go through
-    one shared-memory pipe: 512 of them took ~590 cycles)."""
+    4 q .. 4 q + 3, the quad combines. 4 loads per head and thread, not 16 (all 16 warps' loads
+    go through one shared-memory pipe: the sums' 512 warp loads took ~590 cycles)."""
     value = ptx.load_shared_f32(sRed + red_index(r, 0, quarter, group) * 4)
     for low in range(1, 4):
         value = combine(value, ptx.load_shared_f32(sRed + red_index(r, low, quarter, group) * 4))
