@@ -266,20 +266,17 @@ def _mma_m16n8(shape_types: str, a, b, c, loc, ip) -> tuple:
 
 
 @dsl_user_op
-def mma_e4m3(a, b, c, *, loc=None, ip=None) -> tuple:
-    """m16n8k32 E4M3 x E4M3 + FP32 (a 4 words, b 2 words, c 4 floats -> 4 floats) as two F16
-    m16n8k16 on the operands widened exactly: byte 4 q + i of a thread's 32-byte k block is
-    k index 2 q + i % 2 + 8 (i // 2) of the first (bytes < 16) or second MMA, in A and B alike.
-    Hopper has no FP8 mma.sync (ptxas widens and splits it the same way, bit-identical results);
-    written out, the widening schedules better: short chunks' Q K^T measured 0.07-0.16 us
-    faster per launch (session 27)."""
-    wide_a = [e4m3x4_to_f16(word, loc=loc, ip=ip) for word in a]
-    wide_b = [e4m3x4_to_f16(word, loc=loc, ip=ip) for word in b]
-    for half in range(2):
-        rows = (wide_a[2 * half], wide_a[2 * half + 1])  # rows g, g + 8 of this k half
-        a16 = (rows[0][0], rows[1][0], rows[0][1], rows[1][1])
-        c = _mma_m16n8("k16.row.col.f32.f16.f16", a16, wide_b[half], c, loc, ip)
-    return c
+def mma_e4m3_k16(a, b, c, *, loc=None, ip=None) -> tuple:
+    """m16n8k16 E4M3 x E4M3 + FP32 as one F16 m16n8k16 on operands widened exactly: a 2 words
+    (bytes 4 q .. 4 q + 3 of a 16-byte k block of rows g, g + 8), b 1 word (the same bytes of
+    key g), c 4 floats -> 4 floats. Byte 4 q + i is k index 2 q + i % 2 + 8 (i // 2) in A and B
+    alike. (Hopper has no FP8 mma.sync: ptxas widens an m16n8k32 E4M3 one the same way, with
+    bit-identical results; written out, the widening schedules better.)"""
+    low, high = e4m3x4_to_f16(a[0], loc=loc, ip=ip), e4m3x4_to_f16(a[1], loc=loc, ip=ip)
+    wide_a = (low[0], high[0], low[1], high[1])
+    return _mma_m16n8(
+        "k16.row.col.f32.f16.f16", wide_a, e4m3x4_to_f16(b, loc=loc, ip=ip), c, loc, ip
+    )
 
 
 @dsl_user_op

@@ -4,9 +4,11 @@ A port of SparseDcpDecode (see DESIGN.md): a cluster of ``split`` CTAs per (16 h
 each CTA taking 1 / split of the row's keys (the seed: split = 4; 1 and 2 keep larger grids in
 one wave, 8 shortens each CTA of a small grid). Per chunk of up to CHUNK keys a CTA gathers the
 cache rows with cp.async.bulk (one 576-byte row each, on the chunk's mbarrier; STAGES buffers,
-so chunk c + 1 is in flight while chunk c is computed; beyond the seed), computes QK with FP8
-mma.sync m16n8k32 (warp w: keys 8 w .. 8 w + 7 x 16 heads), runs an online softmax in log2
-units with F16 P, 448 at the running max (FP32 sums of the unrounded P), and accumulates PV
+so chunk c + 1 is in flight while chunk c is computed; beyond the seed), computes QK as F16
+mma.sync m16n8k16 on the E4M3 bytes widened exactly (FP32 sums; groups of 16 keys, each A
+fragment serving two 8-key tiles, the 36 k16 blocks split over 4 warps per group in a chunk
+of <= 64 keys, 2 in a full one; then warp w holds keys 8 w .. 8 w + 7 x 16 heads), runs an
+online softmax in log2 units with F16 P, 448 at the running max (FP32 sums of the unrounded P), and accumulates PV
 with F16 mma.sync m16n8k16 (warp w: latent columns 32 w .. 32 w + 31; V transposed in registers
 with byte permutes and widened exactly to F16). The cluster then merges its partials over
 distributed shared memory: CTA s owns columns s * cols .. s * cols + cols - 1 (cols = 512 /
@@ -55,7 +57,6 @@ from jax_sparse_mla.kernel.config import (
     PART_OFFSET,
     PITCH,
     Q_OFFSET,
-    QK_CHAINS,
     QK_WARPS,
     RED_OFFSET,
     ROW,
@@ -71,12 +72,15 @@ from jax_sparse_mla.kernel.entry import DecodeKernel
 
 assert QK_WARPS == WARPS == HEADS == 16 and CHUNK % 32 == 0 and SLOTS <= 32
 QUERY_STEPS = -(-HEADS * (ROW // 16) // THREADS)  # 16-byte query pieces per thread
-# A chunk of <= CHUNK / 2 keys (the latency shapes' 64 keys per CTA): warp pairs (w, w + PAIRS)
-# split its QK's 18 k32 steps, so every warp works instead of half of them.
+# Q K^T on groups of 16 keys (two 8-key tiles sharing each A fragment), the row's 36 k16 blocks
+# of 16 bytes split over the group's warps: 4 groups x 4 slices for a chunk of <= CHUNK / 2 keys
+# (all 16 warps busy at the latency shapes' 64 keys per CTA), 8 x 2 for a full chunk. Then warp
+# w holds keys 8 w .. 8 w + 7 (the layout the maxima, P and P V use).
 PAIRS = QK_WARPS // 2
-HALF_STEPS = ROW // 32 // 2  # 9 k32 steps per half (the last one by ldmatrix x2)
-HALF_BYTES = 32 * HALF_STEPS
-assert CHUNK // 2 == 8 * PAIRS and HALF_STEPS % 2 == 1
+BLOCKS = ROW // 16
+SHORT_SLICES, LONG_SLICES = 4, 2
+assert CHUNK // 2 == 16 * SHORT_SLICES and CHUNK == 16 * PAIRS * LONG_SLICES // 2
+assert BLOCKS % SHORT_SLICES == 0 and BLOCKS % LONG_SLICES == 0
 
 
 def p_column(key):
@@ -87,21 +91,11 @@ def p_column(key):
     return key - within + 2 * (within // 4) + 8 * ((within % 4) // 2)
 
 
-def qk_step(parts, ks, a, b):
-    """One k32 step of Q K^T (FP8 m16n8k32) into accumulator chain ks % QK_CHAINS."""
-    chain = ks % QK_CHAINS
-    d = ptx.mma_e4m3(a, b, tuple(parts[chain, e] for e in range(4)))
+def qk_block(partial, tile, a, b):
+    """One k16 block of Q K^T (E4M3, widened) into tile ``tile``'s accumulator."""
+    d = ptx.mma_e4m3_k16(a, b, tuple(partial[tile, e] for e in range(4)))
     for e in range(4):
-        parts[chain, e] = d[e]
-
-
-def sum_chains(parts, s):
-    """s[e] = the sum of the QK_CHAINS accumulator chains' value e."""
-    for e in range(4):
-        total = parts[0, e]
-        for chain in range(1, QK_CHAINS):
-            total = total + parts[chain, e]
-        s[e] = total
+        partial[tile, e] = d[e]
 
 
 def red_index(r, low, high, group):
@@ -238,11 +232,9 @@ class SparseDecode(DecodeKernel):
         l_part.fill(0.0)
         acc = cute.make_rmem_tensor((4, 4), Float32)  # [n-tile j, c fragment]
         acc.fill(0.0)
-        # ldmatrix lane addresses: A (16 heads x 32 B), B (8 keys x 2 k-steps of 32 B).
+        # ldmatrix lane addresses of A (16 heads x 2 k16 blocks).
         a_row = lane % 8 + 8 * ((lane // 8) % 2)
         a_col = 16 * (lane // 16)
-        b_row = 8 * warp + lane % 8
-        b_col = 16 * (lane // 8)
         chunks = (mine + CHUNK - 1) // CHUNK
         if cutlass.const_expr(self.tiles > 1):
             # The pair's multicasts land in this CTA: every barrier of the cluster is armed.
@@ -271,32 +263,9 @@ class SparseDecode(DecodeKernel):
             s = cute.make_rmem_tensor((4,), Float32)
             s.fill(0.0)
             if span <= CHUNK // 2:
-                # A short chunk on all 16 warps: warps w and w + 8 take keys 8 (w % 8) .. + 7,
-                # each half of the k32 steps; the second half's partial S goes to warp w % 8
-                # through sPart (one more CTA barrier). Warps 8-15 keep a partial in s: their
-                # keys 64 .. are past the span, dead in sLive, so it never counts.
-                pair, half = warp % PAIRS, warp // PAIRS
-                if 8 * pair < span:
-                    self.qk_half(sQ, sKVc, s, pair, half, lane, a_row, a_col)
-                    if half == 1:
-                        ptx.store_shared_v4_f32(
-                            sPart + (pair * 32 + lane) * 16, tuple(s[e] for e in range(4))
-                        )
-                cute.arch.sync_threads()  # the partials are in sPart
-                if (half == 0) & (8 * pair < span):
-                    other = ptx.load_shared_v4_f32(sPart + (pair * 32 + lane) * 16)
-                    for e in cutlass.range_constexpr(4):
-                        s[e] = s[e] + other[e]
-            elif 8 * warp < span:
-                parts = cute.make_rmem_tensor((QK_CHAINS, 4), Float32)
-                parts.fill(0.0)
-                for kp in cutlass.range_constexpr(ROW // 64):
-                    k = ptx.ldmatrix_x4(sKVc + b_row * PITCH + 64 * kp + b_col)
-                    for h in cutlass.range_constexpr(2):
-                        ks = 2 * kp + h
-                        a = ptx.ldmatrix_x4(sQ + a_row * PITCH + 32 * ks + a_col)
-                        qk_step(parts, ks, a, (k[2 * h], k[2 * h + 1]))
-                sum_chains(parts, s)
+                self.qk(sQ, sKVc, sPart, s, span, SHORT_SLICES, lane, warp, a_row, a_col)
+            else:
+                self.qk(sQ, sKVc, sPart, s, span, LONG_SLICES, lane, warp, a_row, a_col)
             top = cute.make_rmem_tensor((2,), Float32)
             top.fill(neg_inf)
             for e in cutlass.range_constexpr(4):
@@ -428,27 +397,80 @@ class SparseDecode(DecodeKernel):
         self.finish_push(dest, x, tile // self.tiles, HEADS * self.tiles, tid)
 
     @cute.jit
-    def qk_half(self, sQ, sKVc, s, pair, half, lane, a_row, a_col):
-        """Into s, the partial S (this thread's 4 values) of keys
-        8 pair .. 8 pair + 7 over k32 steps 9 half .. 9 half + 8 (row bytes 288 half ..),
-        in QK_CHAINS chains summed at the end."""
-        b_row = 8 * pair + lane % 8
-        b_col = 16 * (lane // 8)
-        base = half * HALF_BYTES
-        parts = cute.make_rmem_tensor((QK_CHAINS, 4), Float32)
-        parts.fill(0.0)
-        for kp in cutlass.range_constexpr(HALF_STEPS // 2):
-            k = ptx.ldmatrix_x4(sKVc + b_row * PITCH + base + 64 * kp + b_col)
+    def qk(self, sQ, sKVc, sPart, s, span, slices: int, lane, warp, a_row, a_col):
+        """Into s, the chunk's S of keys 8 warp .. 8 warp + 7 (this thread's 4 values; warps
+        past the span keep a partial: their keys are dead in sLive, it never counts). Warp w
+        computes its 16-key group's two tiles over one of ``slices`` slices of the k16 blocks,
+        keeps the tile of keys 8 w .. (tile w % 2 of group w // 2; short chunks: warps w and
+        w + 8 are slices 2 .. of group (w % 8) // 2) and passes the other tiles' partials
+        through sPart ([2, warps, 32 lanes] x 4 f32: 0: the tile not kept, 1: a short chunk's
+        slices 2 .. keep nothing) to the tiles' warps, which add them (one CTA barrier)."""
+        if cutlass.const_expr(slices == SHORT_SLICES):
+            keys16, kslice = (warp % PAIRS) // 2, warp % 2 + 2 * (warp // PAIRS)
+        else:
+            keys16, kslice = warp // 2, warp % 2
+        blocks = BLOCKS // slices
+        computes = 16 * keys16 < span
+        if computes:
+            partial = self.qk_tiles(sQ, sKVc, keys16, kslice * blocks, blocks, lane, a_row, a_col)
+            low = warp % 2 == 0  # selects, not a runtime index (that would spill partial)
+            kept = [ptx.where(low, partial[0, e], partial[1, e]) for e in range(4)]
+            passed = [ptx.where(low, partial[1, e], partial[0, e]) for e in range(4)]
+            ptx.store_shared_v4_f32(sPart + (warp * 32 + lane) * 16, passed)
+            if cutlass.const_expr(slices == SHORT_SLICES):
+                # For slices 2, 3 (warps 8 ..), whose tiles belong to warps < 8 (unread for those).
+                ptx.store_shared_v4_f32(sPart + ((QK_WARPS + warp) * 32 + lane) * 16, kept)
+            for e in cutlass.range_constexpr(4):
+                s[e] = kept[e]
+        cute.arch.sync_threads()  # every partial is in sPart
+        sources = [warp ^ 1]  # where this warp's tile lies: slot 0 of the other slices' warps
+        if cutlass.const_expr(slices == SHORT_SLICES):
+            sources += [QK_WARPS + warp + PAIRS, (warp + PAIRS) ^ 1]
+            computes = computes & (warp < PAIRS)
+        if computes:
+            for source in sources:
+                other = ptx.load_shared_v4_f32(sPart + (source * 32 + lane) * 16)
+                for e in cutlass.range_constexpr(4):
+                    s[e] = s[e] + other[e]
+
+    @cute.jit
+    def qk_tiles(self, sQ, sKVc, keys16, first, blocks: int, lane, a_row, a_col):
+        """The partial S of keys 16 keys16 .. + 15 (tiles t = 0, 1: keys 16 keys16 + 8 t ..,
+        this thread's 4 values each) over k16 blocks first .. first + blocks - 1 (row bytes
+        16 first ..): one A fragment per block for both tiles, one accumulator chain per tile."""
+        partial = cute.make_rmem_tensor((2, 4), Float32)
+        partial.fill(0.0)
+        key_row = 16 * keys16 + lane % 8
+        for j in cutlass.range_constexpr(blocks // 4):
+            kb = first + 4 * j
+            # Per tile 4 blocks of its 8 keys (lanes 8 i ..: block kb + i).
+            k = [
+                ptx.ldmatrix_x4(sKVc + (key_row + 8 * t) * PITCH + 16 * (kb + lane // 8))
+                for t in range(2)
+            ]
+            for i in cutlass.range_constexpr(2):
+                a = ptx.ldmatrix_x4(sQ + a_row * PITCH + 16 * (kb + 2 * i) + a_col)
+                for h in cutlass.range_constexpr(2):
+                    for t in cutlass.range_constexpr(2):
+                        qk_block(partial, t, (a[2 * h], a[2 * h + 1]), k[t][2 * i + h])
+        kb = first + blocks // 4 * 4
+        if cutlass.const_expr(blocks % 4 >= 2):
+            k = [
+                ptx.ldmatrix_x2(sKVc + (key_row + 8 * t) * PITCH + 16 * (kb + (lane // 8) % 2))
+                for t in range(2)
+            ]
+            a = ptx.ldmatrix_x4(sQ + a_row * PITCH + 16 * kb + a_col)
             for h in cutlass.range_constexpr(2):
-                ks = 2 * kp + h
-                a = ptx.ldmatrix_x4(sQ + a_row * PITCH + base + 32 * ks + a_col)
-                qk_step(parts, ks, a, (k[2 * h], k[2 * h + 1]))
-        # The odd last step: its 32 bytes of the 8 keys (ldmatrix x2, lanes 0-15 address).
-        last = HALF_STEPS - 1
-        k = ptx.ldmatrix_x2(sKVc + b_row * PITCH + base + 32 * last + b_col)
-        a = ptx.ldmatrix_x4(sQ + a_row * PITCH + base + 32 * last + a_col)
-        qk_step(parts, last, a, (k[0], k[1]))
-        sum_chains(parts, s)
+                for t in cutlass.range_constexpr(2):
+                    qk_block(partial, t, (a[2 * h], a[2 * h + 1]), k[t][h])
+            kb = kb + 2
+        if cutlass.const_expr(blocks % 2 == 1):
+            # The odd last block: lanes 0-7 address tile 0's keys, 8-15 tile 1's.
+            k = ptx.ldmatrix_x2(sKVc + (key_row + 8 * ((lane // 8) % 2)) * PITCH + 16 * kb)
+            a = ptx.ldmatrix_x2(sQ + a_row * PITCH + 16 * kb)
+            for t in cutlass.range_constexpr(2):
+                qk_block(partial, t, a, k[t])
+        return partial
 
     @cute.jit
     def load_row(self, rows_base, limit, c, lane, slot):
