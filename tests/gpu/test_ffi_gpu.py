@@ -31,7 +31,6 @@ from truth import lse_tolerance, truth_decode
 import jax_sparse_mla
 from jax_sparse_mla import cuda_lowering
 from jax_sparse_mla.kernel import compile as kernel_compile
-from jax_sparse_mla.kernel import dispatch
 from jax_sparse_mla.kernel.config import CHUNK, PARAMS, KernelConfig, KernelUnavailableError
 
 pytestmark = pytest.mark.gpu
@@ -137,14 +136,18 @@ def test_probe_cubin_through_handler(tmp_path, monkeypatch):
         check=True,
     )  # fmt: skip
 
+    # A config of one 16-head tile per cluster of split CTAs, the probe's geometry (the
+    # dispatch's pick at this shape pairs two tiles, cluster 2 x split, since K <= 64 went
+    # to split 2 in session 26).
+    forced = KernelConfig("cluster-mma", 8)
+
     def probe_kernel(config):
-        # The probe's own geometry (16 heads per cluster of split CTAs), whatever the config
-        # pairs: the handler must launch whatever the meta says.
+        assert config == forced, config
         meta = {
             "kernel_name": "probe",
-            "head_tile": 16,
+            "head_tile": config.head_tile,
             "block": list(config.block),
-            "cluster": [config.split, 1, 1],
+            "cluster": list(config.cluster),
             "smem_bytes": smem,
             "params": list(PARAMS),
         }
@@ -155,11 +158,11 @@ def test_probe_cubin_through_handler(tmp_path, monkeypatch):
     q, kv, rows, valid = _inputs(
         0, batch, heads, width, n_rows, counts=(0, 1, 33, 64, 99), row_bytes=row_bytes
     )
-    latent, lse = _decode("cute", kv_scale=0.5)(q, kv, rows, valid)
+    latent, lse = _decode("cute", kv_scale=0.5, kernel_config=forced)(q, kv, rows, valid)
     jax.clear_caches()
 
     q8, kv8 = np.asarray(q).view(np.uint8), np.asarray(kv).view(np.uint8)
-    cluster = dispatch.choose_config(batch, 48, width).split  # the probe adds its cluster size
+    cluster = forced.split  # the probe adds its cluster size
     want_latent = (q8[..., :512] % 64) * 0.5 + cluster
     np.testing.assert_array_equal(np.asarray(latent, np.float32), want_latent)
     rows_np, valid_np = np.asarray(rows), np.asarray(valid)
