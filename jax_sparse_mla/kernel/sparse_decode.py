@@ -6,19 +6,19 @@ one wave, 8 shortens each CTA of a small grid). Per chunk of up to CHUNK keys a 
 cache rows with cp.async.bulk (one 576-byte row each, on the chunk's mbarrier; STAGES buffers,
 so chunk c + 1 is in flight while chunk c is computed; beyond the seed), computes QK as F16
 mma.sync m16n8k16 on the E4M3 bytes widened exactly (FP32 sums; groups of 16 keys, each A
-fragment serving two 8-key tiles, the 36 k16 blocks split over 4 warps per group in a chunk
-of <= 64 keys, 2 in a full one; then warp w holds keys 8 w .. 8 w + 7 x 16 heads), runs an
-online softmax in log2 units with F16 P, 448 at the running max (FP32 sums of the unrounded P), and accumulates PV
-with F16 mma.sync m16n8k16 (warp w: latent columns 32 w .. 32 w + 31; V transposed in registers
-with byte permutes and widened exactly to F16). The cluster then merges its partials over
-distributed shared memory: CTA s owns columns s * cols .. s * cols + cols - 1 (cols = 512 /
-split); every thread pushes its 16-byte F16 pieces of O / l straight into the owners' inboxes
-with st.async (its own columns' pieces into its outbox in the free row buffers), and the (max,
-sum) stats likewise, all completing on the receiver's mbarrier (no outbox copy, proxy fence or
-CTA barrier before the sends); CTA s merges its columns in FP32 and writes them (s = 0: and the
-LSE). With split = 1 the "cluster" is the CTA itself: its FP32 partial goes through its own
-shared memory with plain stores and a CTA barrier (DSMEM needs a cluster of at least 2:
-compute-sanitizer rejects st.async in a 1-CTA cluster).
+fragment serving two 8-key tiles, the 36 k16 blocks split over 4 warps per group in a chunk of
+<= 64 keys, 2 in a full one; then warp w holds keys 8 w .. 8 w + 7 x 16 heads), runs an online
+softmax in log2 units with F16 P, 448 at the running max (FP32 sums of the unrounded P), and
+accumulates PV with F16 mma.sync m16n8k16 (warp w: latent columns 32 w .. 32 w + 31; V
+transposed in registers with byte permutes and widened exactly to F16). The cluster then merges
+its partials over distributed shared memory: CTA s owns columns s * cols .. s * cols + cols - 1
+(cols = 512 / split); every thread pushes its 16-byte F16 pieces of O / l straight into the
+owners' inboxes with st.async (its own columns' pieces into its outbox in the free row
+buffers), and the (max, sum) stats likewise, all completing on the receiver's mbarrier (no
+outbox copy, proxy fence or CTA barrier before the sends); CTA s merges its columns in FP32 and
+writes them (s = 0: and the LSE). With split = 1 the "cluster" is the CTA itself: its FP32
+partial goes through its own shared memory with plain stores and a CTA barrier (DSMEM needs a
+cluster of at least 2: compute-sanitizer rejects st.async in a 1-CTA cluster).
 
 At split 2 and 4 a cluster pairs two 16-head tiles (cluster rank = member * split + part):
 the pair's CTAs of one part read the same rows, so in the first STAGES chunks each issues
@@ -79,7 +79,8 @@ QUERY_STEPS = -(-HEADS * (ROW // 16) // THREADS)  # 16-byte query pieces per thr
 PAIRS = QK_WARPS // 2
 BLOCKS = ROW // 16
 SHORT_SLICES, LONG_SLICES = 4, 2
-assert CHUNK // 2 == 16 * SHORT_SLICES and CHUNK == 16 * PAIRS * LONG_SLICES // 2
+# Every warp works: groups x slices = QK_WARPS for either kind of chunk.
+assert CHUNK // 2 // 16 * SHORT_SLICES == QK_WARPS == CHUNK // 16 * LONG_SLICES
 assert BLOCKS % SHORT_SLICES == 0 and BLOCKS % LONG_SLICES == 0
 
 
@@ -398,13 +399,14 @@ class SparseDecode(DecodeKernel):
 
     @cute.jit
     def qk(self, sQ, sKVc, sPart, s, span, slices: int, lane, warp, a_row, a_col):
-        """Into s, the chunk's S of keys 8 warp .. 8 warp + 7 (this thread's 4 values; warps
-        past the span keep a partial: their keys are dead in sLive, it never counts). Warp w
-        computes its 16-key group's two tiles over one of ``slices`` slices of the k16 blocks,
-        keeps the tile of keys 8 w .. (tile w % 2 of group w // 2; short chunks: warps w and
-        w + 8 are slices 2 .. of group (w % 8) // 2) and passes the other tiles' partials
-        through sPart ([2, warps, 32 lanes] x 4 f32: 0: the tile not kept, 1: a short chunk's
-        slices 2 .. keep nothing) to the tiles' warps, which add them (one CTA barrier)."""
+        """Into s, the chunk's S of keys 8 warp .. 8 warp + 7 (this thread's 4 values). Warp w
+        computes its 16-key group's two 8-key tiles over one of ``slices`` slices of the 36 k16
+        blocks (full chunk: group w // 2, slice w % 2; short chunk: group (w % 8) // 2, slice
+        w % 2 + 2 (w // 8)), keeps the tile of keys 8 (w % 8) .. and leaves the other partials
+        in sPart ([2, warps, 32 lanes] x 4 f32; slot 0: the tile it does not keep; slot 1, in
+        a short chunk: the kept tile of warps 8 .., whose own keys lie past the chunk). After
+        one CTA barrier each tile's warp adds them. Warps past the span keep a partial: their
+        keys are dead in sLive, so it never counts."""
         if cutlass.const_expr(slices == SHORT_SLICES):
             keys16, kslice = (warp % PAIRS) // 2, warp % 2 + 2 * (warp // PAIRS)
         else:
