@@ -1,0 +1,47 @@
+"""benchmarks/dispatch_survey.py on CPU: its verdicts on given timings and its default grid."""
+
+import argparse
+
+import pytest
+
+from jax_sparse_mla.kernel import dispatch
+from jax_sparse_mla.kernel.config import ALL_CONFIGS
+
+
+@pytest.fixture(scope="module")
+def survey(load_script):
+    with load_script("benchmarks/dispatch_survey.py") as module:
+        yield module
+
+
+def test_verdict_names_the_fastest_and_the_picks_ratio(survey):
+    times = {"cluster-mma-h32-s4": 5.5, "wgmma-h64-s8": 10.0, "cluster-mma-h16-s8": 5.0}
+    verdict = survey.compare(times, "cluster-mma-h32-s4", tie=0.02)
+    assert verdict["fastest"] == "cluster-mma-h16-s8" and verdict["ratio"] == pytest.approx(1.1)
+    assert not verdict["ok"]
+    assert survey.compare(times, "cluster-mma-h32-s4", tie=0.1)["ok"]
+    assert survey.compare(times, "cluster-mma-h16-s8", tie=0.0)["ok"]
+
+
+def test_summary_counts_the_hits_and_names_the_worst_miss(survey):
+    verdicts = [
+        ((5, 96, 256), survey.compare({"a": 1.0, "b": 2.0}, "a", 0.02)),
+        ((64, 64, 64), survey.compare({"a": 1.0, "b": 1.5}, "b", 0.02)),
+        ((1, 16, 8), survey.compare({"a": 1.0, "b": 1.01}, "b", 0.02)),
+    ]
+    line = survey.summary(verdicts, 0.02)
+    assert "at 2 of 3 shapes" in line and "64,64,64, b 1.50x the fastest (a)" in line
+
+
+def test_default_grid_is_valid_and_the_rule_answers_every_shape(survey):
+    assert len(set(survey.SHAPES)) == len(survey.SHAPES) == 36
+    slugs = {config.slug for config in ALL_CONFIGS}
+    for shape in survey.SHAPES:
+        assert survey.shape_arg(",".join(map(str, shape))) == shape
+        assert dispatch.choose_config(*shape).slug in slugs
+
+
+@pytest.mark.parametrize("text", ["5,96", "5,40,256", "5,96,4096", "0,96,256", "a,b,c"])
+def test_bad_shapes_are_refused_by_name(survey, text):
+    with pytest.raises(argparse.ArgumentTypeError, match="--shape"):
+        survey.shape_arg(text)
