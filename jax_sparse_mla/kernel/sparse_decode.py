@@ -420,7 +420,8 @@ class SparseDecode(DecodeKernel):
             passed = [ptx.where(low, partial[1, e], partial[0, e]) for e in range(4)]
             ptx.store_shared_v4_f32(sPart + (warp * 32 + lane) * 16, passed)
             if cutlass.const_expr(slices == SHORT_SLICES):
-                # For slices 2, 3 (warps 8 ..), whose tiles belong to warps < 8 (unread for those).
+                # Slot 1: slices 2 and 3 (warps 8 ..) keep a tile of a warp < 8 (the slot 1
+                # entries of warps < 8 are written too, and never read).
                 ptx.store_shared_v4_f32(sPart + ((QK_WARPS + warp) * 32 + lane) * 16, kept)
             for e in cutlass.range_constexpr(4):
                 s[e] = kept[e]
