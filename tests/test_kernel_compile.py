@@ -86,6 +86,36 @@ def test_warp_reduction_layout_is_a_bank_free_bijection():
             assert len(banks) == 32, (r, low, banks)
 
 
+def test_qk_groups_add_every_slice_of_each_tile_once():
+    """cluster-mma's Q K^T on 16-key groups: the warps' (group, slice) roles cover every group
+    and slice once, and each tile's warp adds exactly the other slices' partials of its own
+    tile (what an sPart entry holds: slot 0 of warp v the tile v does not keep, slot 1 in a
+    short chunk the tile it keeps)."""
+    from jax_sparse_mla.kernel.sparse_decode import (
+        LONG_SLICES,
+        PAIRS,
+        QK_WARPS,
+        SHORT_SLICES,
+        qk_role,
+        qk_sources,
+    )
+
+    for slices, tile_warps in ((LONG_SLICES, range(QK_WARPS)), (SHORT_SLICES, range(PAIRS))):
+        roles = [qk_role(w, slices) for w in range(QK_WARPS)]
+        groups = QK_WARPS // slices
+        assert sorted(roles) == [(g, k) for g in range(groups) for k in range(slices)], slices
+        held = {}  # sPart entry -> (tile, slice) of the partial in it
+        for v, (g, k) in enumerate(roles):
+            held[v] = (2 * g + 1 - v % 2, k)
+            if slices == SHORT_SLICES:
+                held[QK_WARPS + v] = (2 * g + v % 2, k)
+        for w in tile_warps:
+            group, own_slice = roles[w]
+            assert 2 * group + w % 2 == w  # the tile it keeps is keys 8 w ..
+            added = [(w, own_slice)] + [held[e] for e in qk_sources(w, slices)]
+            assert sorted(added) == [(w, k) for k in range(slices)], (slices, w, added)
+
+
 def test_entry_params_parse():
     ptx = ".visible .entry k(\n .param .u64 .ptr .global .align 16 k_param_0,\n .param .u32 k_p1\n)"
     assert compile.parse_entry(ptx) == ("k", ["u64", "u32"])

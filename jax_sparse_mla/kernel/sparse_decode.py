@@ -92,6 +92,26 @@ def p_column(key):
     return key - within + 2 * (within // 4) + 8 * ((within % 4) // 2)
 
 
+def qk_role(warp, slices: int):
+    """(16-key group, slice of the k16 blocks) of ``warp`` in a Q K^T over ``slices`` slices:
+    a full chunk (2) gives group i to warps 2 i and 2 i + 1, a short chunk (4) also to warps
+    2 i + 8 and 2 i + 9 (its 4 groups cover 64 keys)."""
+    if slices == SHORT_SLICES:
+        return (warp % PAIRS) // 2, warp % 2 + 2 * (warp // PAIRS)
+    return warp // 2, warp % 2
+
+
+def qk_sources(warp, slices: int) -> list:
+    """The sPart entries ([2, QK_WARPS], slot-major) holding the other slices' partials of
+    ``warp``'s tile (keys 8 warp ..): slot 0 of its partner warp ^ 1 (the tile that warp does
+    not keep); in a short chunk also slot 1 of warp + 8 (the tile it keeps) and slot 0 of
+    (warp + 8) ^ 1."""
+    sources = [warp ^ 1]
+    if slices == SHORT_SLICES:
+        sources += [QK_WARPS + warp + PAIRS, (warp + PAIRS) ^ 1]
+    return sources
+
+
 def qk_block(partial, tile, a, b):
     """One k16 block of Q K^T (E4M3, widened) into tile ``tile``'s accumulator."""
     d = ptx.mma_e4m3_k16(a, b, tuple(partial[tile, e] for e in range(4)))
@@ -400,17 +420,13 @@ class SparseDecode(DecodeKernel):
     @cute.jit
     def qk(self, sQ, sKVc, sPart, s, span, slices: int, lane, warp, a_row, a_col):
         """Into s, the chunk's S of keys 8 warp .. 8 warp + 7 (this thread's 4 values). Warp w
-        computes its 16-key group's two 8-key tiles over one of ``slices`` slices of the 36 k16
-        blocks (full chunk: group w // 2, slice w % 2; short chunk: group (w % 8) // 2, slice
-        w % 2 + 2 (w // 8)), keeps the tile of keys 8 (w % 8) .. and leaves the other partials
-        in sPart ([2, warps, 32 lanes] x 4 f32; slot 0: the tile it does not keep; slot 1, in
-        a short chunk: the kept tile of warps 8 .., whose own keys lie past the chunk). After
-        one CTA barrier each tile's warp adds them. Warps past the span keep a partial: their
-        keys are dead in sLive, so it never counts."""
-        if cutlass.const_expr(slices == SHORT_SLICES):
-            keys16, kslice = (warp % PAIRS) // 2, warp % 2 + 2 * (warp // PAIRS)
-        else:
-            keys16, kslice = warp // 2, warp % 2
+        computes its 16-key group's two 8-key tiles over its slice of the 36 k16 blocks
+        (qk_role), keeps the tile of keys 8 (w % 8) .. and leaves the other partials in sPart
+        ([2, warps, 32 lanes] x 4 f32; slot 0: the tile it does not keep; slot 1, in a short
+        chunk: the tile it keeps, for warps 8 .. a warp < 8's); after one CTA barrier each
+        tile's warp adds them (qk_sources). Warps past the span keep a partial: their keys are
+        dead in sLive, so it never counts."""
+        keys16, kslice = qk_role(warp, slices)
         blocks = BLOCKS // slices
         computes = 16 * keys16 < span
         if computes:
@@ -426,12 +442,10 @@ class SparseDecode(DecodeKernel):
             for e in cutlass.range_constexpr(4):
                 s[e] = kept[e]
         cute.arch.sync_threads()  # every partial is in sPart
-        sources = [warp ^ 1]  # where this warp's tile lies: slot 0 of the other slices' warps
         if cutlass.const_expr(slices == SHORT_SLICES):
-            sources += [QK_WARPS + warp + PAIRS, (warp + PAIRS) ^ 1]
-            computes = computes & (warp < PAIRS)
+            computes = computes & (warp < PAIRS)  # warps 8 .. hold no keys of a short chunk
         if computes:
-            for source in sources:
+            for source in qk_sources(warp, slices):
                 other = ptx.load_shared_v4_f32(sPart + (source * 32 + lane) * 16)
                 for e in cutlass.range_constexpr(4):
                     s[e] = s[e] + other[e]
