@@ -142,6 +142,26 @@ class GraphOfLaunches:
         check(cu.cuGraphDestroy(self.graph))
 
 
+def time_interleaved(
+    context: Context, kernels: dict, launch_args, launches: int, repeats: int, exchange=None
+) -> dict[str, list[float]]:
+    """Us per launch of each kernel (by name) over ``repeats`` rounds: a graph of ``launches``
+    launches per kernel, one untimed round, then the kernels interleaved round by round."""
+    graphs = {
+        name: GraphOfLaunches(context, kernel, launch_args, launches, exchange)
+        for name, kernel in kernels.items()
+    }
+    times = {name: [] for name in graphs}
+    for graph in graphs.values():  # untimed: clocks ramp up, modules load
+        graph.time()
+    for _ in range(repeats):
+        for name, graph in graphs.items():
+            times[name].append(graph.time())
+    for graph in graphs.values():
+        graph.free()
+    return times
+
+
 def run_once(context: Context, kernel: CubinKernel, buffers: list[Buffer], launch_args, mailbox):
     """One launch on NaN-filled outputs (the mailbox's rows with --push): (latent as float32,
     lse), to check that variants agree (a variant that computes something else shows here,
@@ -199,18 +219,9 @@ def main() -> None:
             flags_per_row = max(grid_columns(kernel, heads) for kernel in variants.values())
             mailbox = OneGpuMailbox(batch, heads, flags_per_row)
         exchange = None if mailbox is None else mailbox.exchange()
-        graphs = {
-            name: GraphOfLaunches(context, kernel, launch_args, args.launches, exchange)
-            for name, kernel in variants.items()
-        }
-        times = {name: [] for name in variants}
-        for graph in graphs.values():  # untimed: clocks ramp up, modules load
-            graph.time()
-        for _ in range(args.repeats):
-            for name, graph in graphs.items():
-                times[name].append(graph.time())
-        for graph in graphs.values():
-            graph.free()
+        times = time_interleaved(
+            context, variants, launch_args, args.launches, args.repeats, exchange
+        )
         outputs = {
             name: run_once(context, kernel, buffers, launch_args, mailbox)
             for name, kernel in variants.items()

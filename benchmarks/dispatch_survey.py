@@ -84,7 +84,7 @@ def main() -> None:
     args = parser.parse_args()
 
     # The GPU side (ab_cubins' launcher and graphs; cuda-python) only when measuring.
-    from ab_cubins import CACHE_ROWS, WIDTH, GraphOfLaunches, inputs
+    from ab_cubins import CACHE_ROWS, WIDTH, inputs, time_interleaved
     from cubin_launch import Context, CubinKernel, check
     from cuda.bindings import driver as cu
 
@@ -112,18 +112,7 @@ def main() -> None:
     for batch, heads, keys in args.shape or SHAPES:
         buffers = inputs(batch, heads, keys)
         launch_args = ([b.address for b in buffers], (CACHE_ROWS, WIDTH, heads, 576), batch)
-        graphs = {
-            slug: GraphOfLaunches(context, kernel, launch_args, args.launches, None)
-            for slug, kernel in kernels.items()
-        }
-        samples = {slug: [] for slug in graphs}
-        for graph in graphs.values():  # untimed: clocks ramp up, modules load
-            graph.time()
-        for _ in range(args.repeats):
-            for slug, graph in graphs.items():
-                samples[slug].append(graph.time())
-        for graph in graphs.values():
-            graph.free()
+        samples = time_interleaved(context, kernels, launch_args, args.launches, args.repeats)
         for buffer in buffers:
             buffer.free()
         times = {slug: statistics.median(values) for slug, values in samples.items()}
