@@ -331,6 +331,9 @@ class WgmmaDecode(DecodeKernel):
             ptx.barrier_sync(LOOPS_DONE, WG_THREADS)
             cute.arch.warpgroup_reg_alloc(SHARED_REGISTERS)
 
+        # Read now, used by the merge or epilogue: its latency hides behind the sums' barrier
+        # (not in the prologue: it would hold a register through every warpgroup's loop).
+        out_scale = ptx.load_global_f32(mScales.toint() + 4)
         # The row sums (warpgroup 0's) to both warpgroups, through sTotals (sAlpha may still
         # be read by warpgroup 1 for the last chunk).
         if group == 0:
@@ -365,11 +368,11 @@ class WgmmaDecode(DecodeKernel):
             # Every CTA has received everything: no outbox is read after this barrier.
             cute.arch.cluster_arrive_relaxed()
             if tid < WG_CONSUMERS:
-                self.merge(mScales, dest, sOutbox, sInbox, sStats, tile, part, heads, tid)
+                self.merge(out_scale, dest, sOutbox, sInbox, sStats, tile, part, heads, tid)
             cute.arch.cluster_wait()  # no CTA exits while a copy still reads its outbox
         else:
             sOut = base + WG_K_OFFSET
-            self.epilogue(mScales, dest, sOut, acc, m_run, totals, tile, heads, tid)
+            self.epilogue(out_scale, dest, sOut, acc, m_run, totals, tile, heads, tid)
         self.finish_push(dest, x, tile, WG_HEADS, tid)
 
     @cute.jit
@@ -542,12 +545,11 @@ class WgmmaDecode(DecodeKernel):
             ptx.store_shared_v4(dst, *halves[4 * e : 4 * e + 4])
 
     @cute.jit
-    def epilogue(self, mScales: cute.Pointer, dest, sOut, acc, m_run, totals, tile, heads, tid):
+    def epilogue(self, out_scale, dest, sOut, acc, m_run, totals, tile, heads, tid):
         """O / l as BF16 (times out_scale) and the natural-log LSE; -inf and zeros for a row
         without live keys. The rows go through shared memory (sOut, the free K tiles) and
         out by one bulk copy each: the fragments' 4-byte global stores wrote half sectors
         and took ~4 us of a CTA's time (clock probes, 2026-11-30)."""
-        out_scale = ptx.load_global_f32(mScales.toint() + 4)
         group = tid // 128
         warp, lane = (tid % 128) // 32, tid % 32
         quad = lane % 4
@@ -613,7 +615,7 @@ class WgmmaDecode(DecodeKernel):
     @cute.jit
     def merge(
         self,
-        mScales: cute.Pointer,
+        out_scale,
         dest,
         sOutbox,
         sInbox,
@@ -627,7 +629,6 @@ class WgmmaDecode(DecodeKernel):
         weighted by each source's sum at the common max, as BF16 (times out_scale), and the
         LSE (part 0): thread t takes head t / 4 and pieces t % 4, t % 4 + 4, ... (8 columns
         each) of every source's block."""
-        out_scale = ptx.load_global_f32(mScales.toint() + 4)
         head_in_tile, quarter = tid // 4, tid % 4
         pieces = self.cols // 8 // 4  # per thread
         columns = [8 * (quarter + 4 * k) for k in range(pieces)]
