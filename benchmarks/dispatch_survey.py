@@ -13,7 +13,9 @@ launch. Each row of the table gives every config's time, the fastest, the rule's
 (``choose_config(B, H, K)`` with this GPU's SM count; H a multiple of 16) and pick / fastest;
 the summary counts the shapes where the pick is within ``--tie`` of the fastest and names the
 worst miss. ``--out`` writes every timing as JSON (the data for refitting the rule's costs).
-The default grid is session 26's: its 25 all-valid shapes and 11 with K <= 128 (BENCHMARKS.md).
+The default grid is the 48 shapes the rule is fitted to: session 26's 25 all-valid shapes and 11
+with K <= 128, and session 28's 12 (the benchmark's cases among them; BENCHMARKS.md). Their
+session-28 timings are `tests/data/dispatch_survey_h200.json`, which a CPU test holds the rule to.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import json
 import pathlib
 import statistics
 
-SHAPES = [  # (B, H, K): session 26's survey (25) and small-K survey (11)
+SHAPES = [  # (B, H, K): session 26's survey (25) and small-K survey (11), session 28's 12
     (1, 96, 2048), (2, 96, 2048), (2, 128, 2048), (3, 96, 2048), (4, 64, 1536),
     (5, 64, 1024), (5, 64, 2048), (5, 96, 512), (5, 96, 1024), (5, 96, 1536),
     (5, 96, 2048), (5, 128, 512), (5, 128, 768), (6, 96, 768), (8, 64, 512),
@@ -31,6 +33,9 @@ SHAPES = [  # (B, H, K): session 26's survey (25) and small-K survey (11)
     (16, 128, 384), (24, 96, 64), (32, 64, 512), (48, 16, 2048), (64, 64, 64),
     (1, 16, 8), (1, 128, 32), (1, 64, 64), (5, 96, 32), (5, 96, 64), (5, 128, 64),
     (8, 96, 64), (12, 64, 64), (16, 32, 64), (24, 32, 64), (5, 96, 128),
+    (5, 64, 256), (5, 96, 256), (1, 128, 256), (5, 128, 256), (5, 128, 2048),
+    (64, 128, 2048), (1, 128, 2048), (16, 128, 2048), (5, 128, 1024), (2, 128, 512),
+    (10, 128, 2048), (32, 64, 2048),
 ]  # fmt: skip
 
 
@@ -92,6 +97,7 @@ def main() -> None:
     from jax_sparse_mla.kernel.config import KernelConfig
 
     folder = args.cubins or installed_cubins()
+    context = Context()  # before loading modules: cuModuleLoadData needs the initialised driver
     kernels = {}
     for path in sorted(folder.glob("*.cubin")):
         meta = json.loads(path.with_suffix(".json").read_text())
@@ -101,7 +107,6 @@ def main() -> None:
             kernels[slug] = CubinKernel(path.read_bytes(), meta)
     if not kernels:
         raise SystemExit(f"no decode cubins in {folder}")
-    context = Context()
     attribute = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
     sm_count = check(cu.cuDeviceGetAttribute(attribute, context.device))
     print(

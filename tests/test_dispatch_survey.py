@@ -1,11 +1,15 @@
 """benchmarks/dispatch_survey.py on CPU: its verdicts on given timings and its default grid."""
 
 import argparse
+import json
+import pathlib
 
 import pytest
 
 from jax_sparse_mla.kernel import dispatch
 from jax_sparse_mla.kernel.config import ALL_CONFIGS
+
+H200_SURVEY = pathlib.Path(__file__).parent / "data" / "dispatch_survey_h200.json"
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +38,7 @@ def test_summary_counts_the_hits_and_names_the_worst_miss(survey):
 
 
 def test_default_grid_is_valid_and_the_rule_answers_every_shape(survey):
-    assert len(set(survey.SHAPES)) == len(survey.SHAPES) == 36
+    assert len(set(survey.SHAPES)) == len(survey.SHAPES) == 48
     slugs = {config.slug for config in ALL_CONFIGS}
     for shape in survey.SHAPES:
         assert survey.shape_arg(",".join(map(str, shape))) == shape
@@ -45,3 +49,19 @@ def test_default_grid_is_valid_and_the_rule_answers_every_shape(survey):
 def test_bad_shapes_are_refused_by_name(survey, text):
     with pytest.raises(argparse.ArgumentTypeError, match="--shape"):
         survey.shape_arg(text)
+
+
+def test_the_rule_picks_the_fastest_at_every_surveyed_shape(survey):
+    """The survey's H200 timings (session 28, every shipped config at the default grid): the
+    rule's pick is within 2% of the fastest config at every shape. A refit or a kernel change
+    that moves a pick shows here; re-run the survey (--out) on the GPU to refresh the data."""
+    data = json.loads(H200_SURVEY.read_text())
+    shapes = [tuple(row["shape"]) for row in data["shapes"]]
+    assert sorted(shapes) == sorted(survey.SHAPES)
+    verdicts = []
+    for row in data["shapes"]:
+        batch, heads, keys = row["shape"]
+        pick = dispatch.choose_config(batch, heads, keys, data["sm_count"]).slug
+        verdicts.append((tuple(row["shape"]), survey.compare(row["us"], pick, tie=0.02)))
+    misses = [(shape, v["ratio"], v["fastest"]) for shape, v in verdicts if not v["ok"]]
+    assert not misses, survey.summary(verdicts, 0.02)
