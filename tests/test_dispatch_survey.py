@@ -1,6 +1,7 @@
 """benchmarks/dispatch_survey.py on CPU: its verdicts on given timings and its default grid."""
 
 import argparse
+import dataclasses
 import json
 import pathlib
 
@@ -65,3 +66,22 @@ def test_the_rule_picks_the_fastest_at_every_surveyed_shape(survey):
         verdicts.append((tuple(row["shape"]), survey.compare(row["us"], pick, tie=0.02)))
     misses = [(shape, v["ratio"], v["fastest"]) for shape, v in verdicts if not v["ok"]]
     assert not misses, survey.summary(verdicts, 0.02)
+
+
+@pytest.fixture(scope="module")
+def refit(load_script):
+    with load_script("benchmarks/dispatch_fit.py") as module:
+        yield module
+
+
+def test_the_refit_reproduces_the_rules_costs(refit):
+    """dispatch_fit.py on the checked-in survey gives dispatch.H200_COSTS (as rounded there)
+    and a margin window holding the rule's margin: the constants are the data's, not typed."""
+    rows, sm_count = refit.load([H200_SURVEY])
+    costs, errors = refit.fit(rows, sm_count)
+    expected = dataclasses.replace(dispatch.H200_COSTS, wgmma_margin=1.0)
+    assert refit.rounded(costs) == expected
+    assert all(abs(e) < 0.2 for variant in errors.values() for e in variant)
+    window = refit.margin_window(dispatch.H200_COSTS, rows, sm_count, tie=0.02)
+    assert window == [0.91, 0.92, 0.93, 0.94, 0.95]
+    assert dispatch.H200_COSTS.wgmma_margin in window
