@@ -129,10 +129,14 @@ def main() -> None:
         print(f"margins with no miss beyond {args.tie:.0%}: {window[0]:.2f} .. {window[-1]:.2f}")
         print(dataclasses.replace(costs, wgmma_margin=window[len(window) // 2]))
     else:
-        best = min(MARGINS, key=lambda m: len(misses(dataclasses.replace(costs, wgmma_margin=m),
-                                                      rows, sm_count, args.tie)))  # fmt: skip
-        left = misses(dataclasses.replace(costs, wgmma_margin=best), rows, sm_count, args.tie)
-        print(f"no margin hits every shape; {best:.2f} misses {len(left)}: {left}")
+        missed = {
+            m: misses(dataclasses.replace(costs, wgmma_margin=m), rows, sm_count, args.tie)
+            for m in MARGINS
+        }
+        best = min(MARGINS, key=lambda m: len(missed[m]))
+        listed = "; ".join(f"{shape} {pick} {ratio:.2f}x" for shape, pick, ratio in missed[best])
+        print(f"no margin hits every shape; {best:.2f} misses {len(missed[best])}: {listed}")
+        print(dataclasses.replace(costs, wgmma_margin=best))
 
 
 if __name__ == "__main__":
