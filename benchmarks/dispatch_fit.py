@@ -26,7 +26,10 @@ import sys
 import numpy as np
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's rule, not an installed copy's
+# This checkout's rule (not an installed copy's) and the survey's verdict.
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+from dispatch_survey import compare  # noqa: E402
+
 from jax_sparse_mla.kernel import dispatch  # noqa: E402
 from jax_sparse_mla.kernel.config import ALL_CONFIGS, SPLITS  # noqa: E402
 
@@ -91,13 +94,11 @@ def rounded(costs: dispatch.Costs) -> dispatch.Costs:
 
 def misses(costs: dispatch.Costs, rows, sm_count: int, tie: float) -> list[tuple]:
     """(shape, pick, pick / fastest) where the rule under ``costs`` misses by more than tie."""
-    found = []
-    for shape, us in rows:
-        pick = dispatch.choose_config(*shape, sm_count, costs).slug
-        ratio = us[pick] / min(us.values())
-        if ratio > 1 + tie:
-            found.append((shape, pick, ratio))
-    return found
+    verdicts = [
+        (shape, compare(us, dispatch.choose_config(*shape, sm_count, costs).slug, tie))
+        for shape, us in rows
+    ]
+    return [(shape, v["pick"], v["ratio"]) for shape, v in verdicts if not v["ok"]]
 
 
 def margin_window(costs: dispatch.Costs, rows, sm_count: int, tie: float) -> list[float]:
