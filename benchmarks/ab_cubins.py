@@ -19,8 +19,9 @@ a mailbox on this GPU (the owner of every head) and releases its flag, as the FF
 target asks (no merge runs; the rows compared are the mailbox's). Meant for
 comparing kernel variants with each other, not for absolute latency
 (benchmarks/bench_decode.py measures that through JAX). Each variant's outputs of one more
-launch are compared with the first variant's (max differences, NaN count): a check that the
-variants compute the same thing, not a correctness test (tests/gpu does that).
+launch are compared with the first variant's, the first DIR's first cubin (max differences,
+NaN count): a check that the variants compute the same thing, not a correctness test
+(tests/gpu does that). Variants keep the DIRs' order and are named by their DIR.
 """
 
 from __future__ import annotations
@@ -178,6 +179,13 @@ def run_once(context: Context, kernel: CubinKernel, buffers: list[Buffer], launc
     return latent, lse_buffer.download()
 
 
+def variant_paths(dirs: list[pathlib.Path]) -> list[tuple[str, pathlib.Path]]:
+    """(name, cubin) of every variant in the order of ``dirs`` (sorted within each), named by
+    its DIR as given: the first DIR's first cubin is the reference of the output check, and
+    the same cubin in two DIRs stays two variants."""
+    return [(f"{d}/{path.stem}", path) for d in dirs for path in sorted(d.glob("*.cubin"))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -199,10 +207,10 @@ def main() -> None:
     args = parser.parse_args()
     shapes = args.shape or [(5, 96, 256), (5, 128, 256), (5, 128, 2048), (64, 128, 2048)]
     context = Context()
-    variants = {}
-    for path in sorted(p for d in args.dirs for p in d.glob("*.cubin")):
-        meta = json.loads(path.with_suffix(".json").read_text())
-        variants[f"{path.parent.name}/{path.stem}"] = CubinKernel(path.read_bytes(), meta)
+    variants = {
+        name: CubinKernel(path.read_bytes(), json.loads(path.with_suffix(".json").read_text()))
+        for name, path in variant_paths(args.dirs)
+    }
     if not variants:
         raise SystemExit(f"no *.cubin in {[str(d) for d in args.dirs]}")
     print(
