@@ -33,8 +33,8 @@ Q_OFFSET = KV_OFFSET + STAGES * CHUNK * PITCH  # [HEADS, PITCH] u8: the 16 query
 P_OFFSET = Q_OFFSET + HEADS * PITCH  # [HEADS, P_PITCH] u8: F16 P, keys permuted (sparse_decode)
 RED_OFFSET = P_OFFSET + HEADS * P_PITCH  # [2, QK_WARPS * HEADS] f32: chunk maxima, sums
 LIVE_OFFSET = RED_OFFSET + 2 * QK_WARPS * HEADS * 4  # [STAGES, CHUNK] i32: key copied (1)
-# split 1: [HEADS, LATENT] f32, the CTA's partial; split > 1: [split, HEADS, LATENT / split]
-# F16, every source's block of this CTA's columns (normalised partials)
+# split > 1: [split, HEADS, LATENT / split] F16, every source's block of this CTA's columns
+# (normalised partials); split 1 merges nothing
 INBOX_OFFSET = LIVE_OFFSET + STAGES * CHUNK * 4
 STATS_OFFSET = INBOX_OFFSET + HEADS * LATENT * 4  # [split, 2, HEADS] f32: (max, sum)
 BAR_OFFSET = STATS_OFFSET + MAX_SPLIT * 2 * HEADS * 4  # u64 mbarriers: STAGES chunks, inbound

@@ -16,9 +16,8 @@ its partials over distributed shared memory: CTA s owns columns s * cols .. s * 
 owners' inboxes with st.async (its own columns' pieces into its outbox in the free row
 buffers), and the (max, sum) stats likewise, all completing on the receiver's mbarrier (no
 outbox copy, proxy fence or CTA barrier before the sends); CTA s merges its columns in FP32 and
-writes them (s = 0: and the LSE). With split = 1 the "cluster" is the CTA itself: its FP32
-partial goes through its own shared memory with plain stores and a CTA barrier (DSMEM needs a
-cluster of at least 2: compute-sanitizer rejects st.async in a 1-CTA cluster).
+writes them (s = 0: and the LSE). With split = 1 there is nothing to merge: each thread
+writes its columns straight from its accumulators.
 
 At split 2 and 4 a cluster pairs two 16-head tiles (cluster rank = member * split + part):
 the pair's CTAs of one part read the same rows, so in the first STAGES chunks each issues
@@ -159,10 +158,6 @@ class SparseDecode(DecodeKernel):
         self.clustered = split > 1
         self.tiles = config.tiles  # 2: the cluster pairs two head tiles (multicast gathers)
         self.merge_layout(HEADS)  # cols: latent columns each CTA merges
-        # The merge: 32 lanes x per_lane columns per head, in pieces of up to 4 floats.
-        self.per_lane = self.cols // 32
-        self.piece = min(self.per_lane, 4)
-        assert self.cols % 32 == 0 and self.per_lane % self.piece == 0 and self.piece % 2 == 0
 
     @cute.kernel
     def kernel(
@@ -408,19 +403,7 @@ class SparseDecode(DecodeKernel):
             self.merge_blocks(out_scale, dest, sOutbox, sInbox, sStats, tile, part, real, tid)
             cute.arch.cluster_wait()  # no CTA exits while a peer may still address its DSMEM
         else:
-            # split 1: the FP32 partial and stats through this CTA's own shared memory.
-            for r in cutlass.range_constexpr(2):
-                head = group + 8 * r
-                for e in cutlass.range_constexpr(2):
-                    # acc[j, 2 r + e]: column 32 w + 8 q + 4 e + j
-                    column = 32 * warp + 8 * quarter + 4 * e
-                    dst = sInbox + (head * self.cols + column) * 4
-                    ptx.store_shared_v4_f32(dst, tuple(acc[j, 2 * r + e] for j in range(4)))
-                if (warp == 0) & (quarter == 0):
-                    ptx.store_shared_f32(sStats + head * 4, m_run[r])
-                    ptx.store_shared_f32(sStats + (HEADS + head) * 4, l_run[r])
-            cute.arch.sync_threads()  # the CTA's own partial and stats are in place
-            self.merge(out_scale, dest, sInbox, sStats, tile, part, tid)
+            self.store_rows(out_scale, dest, acc, m_run, l_run, tile, warp, group, quarter)
         # The exchange's flags cover a cluster's head tile: a pair's 32 heads.
         self.finish_push(dest, x, tile // self.tiles, HEADS * self.tiles, tid)
 
@@ -639,52 +622,24 @@ class SparseDecode(DecodeKernel):
                     self.store_lse(lse_at, lse2)
 
     @cute.jit
-    def merge(
-        self,
-        out_scale,
-        dest,
-        sInbox,
-        sStats,
-        tile,
-        part,
-        tid,
-    ):
-        """Columns part * cols .. + cols of the 16 heads over the cluster's FP32 partials:
-        thread t takes head t // 32, per_lane columns."""
-        neg_inf = Float32(-math.inf)
-        head, lane = tid // 32, tid % 32
-        top = neg_inf
-        for c in cutlass.range_constexpr(self.split):
-            top = cute.arch.fmax(top, ptx.load_shared_f32(sStats + ((c * 2) * HEADS + head) * 4))
-        total = Float32(0.0)
-        merged = cute.make_rmem_tensor((self.per_lane,), Float32)
-        merged.fill(0.0)
-        for c in cutlass.range_constexpr(self.split):
-            maximum = ptx.load_shared_f32(sStats + ((c * 2) * HEADS + head) * 4)
-            partial_sum = ptx.load_shared_f32(sStats + ((c * 2 + 1) * HEADS + head) * 4)
-            rise = cute.math.exp2(maximum - top, fastmath=True)
-            weight = ptx.where(maximum != neg_inf, rise, 0.0)
-            total = total + weight * partial_sum
-            first = (c * HEADS + head) * self.cols + self.per_lane * lane
-            for v in cutlass.range_constexpr(0, self.per_lane, self.piece):
-                if cutlass.const_expr(self.piece == 4):
-                    row = ptx.load_shared_v4_f32(sInbox + (first + v) * 4)
-                else:
-                    row = ptx.load_shared_v2_f32(sInbox + (first + v) * 4)
-                for e in cutlass.range_constexpr(self.piece):
-                    merged[v + e] = merged[v + e] + weight * row[e]
-        # P was scaled by 448 = 2^LOG2_P_SCALE: so were the sums.
-        lse2 = self.log2_lse(total != Float32(0.0), top - Float32(LOG2_P_SCALE), total)
-        _, inverse = self.normaliser(out_scale, total)
-        latent, lse_at, keep = self.row_target(dest, tile * HEADS + head)
-        col = part * self.cols + self.per_lane * lane
-        if keep:
-            for v in cutlass.range_constexpr(0, self.per_lane, self.piece):
-                w0 = ptx.bf16x2(merged[v] * inverse, merged[v + 1] * inverse)
-                if cutlass.const_expr(self.piece == 4):
-                    w1 = ptx.bf16x2(merged[v + 2] * inverse, merged[v + 3] * inverse)
-                    ptx.store_global_v2(latent + (col + v) * 2, w0, w1)
-                else:
-                    ptx.store_global_b32(latent + (col + v) * 2, w0)
-            if (part == 0) & (lane == 0):
-                self.store_lse(lse_at, lse2)
+    def store_rows(self, out_scale, dest, acc, m_run, l_run, tile, warp, group, quarter):
+        """split 1: this thread's columns 32 w + 8 q .. + 7 of heads group, group + 8 as BF16
+        (times out_scale) straight from its accumulators, and the LSE (warp 0, quarter 0).
+        Without peers its sums (over_warps) are the rows' whole sums: no merge, no staging in
+        shared memory."""
+        for r in cutlass.range_constexpr(2):
+            head = group + 8 * r
+            nonempty, inverse = self.normaliser(out_scale, l_run[r])
+            latent, lse_at, keep = self.row_target(dest, tile * HEADS + head)
+            if keep:
+                # acc[j, 2 r + e]: column 32 w + 8 q + 4 e + j
+                words = [
+                    ptx.bf16x2(acc[j, 2 * r + e] * inverse, acc[j + 1, 2 * r + e] * inverse)
+                    for e in range(2)
+                    for j in (0, 2)
+                ]
+                ptx.store_global_v4(latent + (32 * warp + 8 * quarter) * 2, words)
+                if (warp == 0) & (quarter == 0):
+                    # P was scaled by 448 = 2^LOG2_P_SCALE: so were the sums.
+                    lse2 = self.log2_lse(nonempty, m_run[r] - Float32(LOG2_P_SCALE), l_run[r])
+                    self.store_lse(lse_at, lse2)
