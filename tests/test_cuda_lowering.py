@@ -159,7 +159,7 @@ def test_lowering_emits_custom_call_with_cubin(fake_kernel):
         (64, 128, 128, KernelConfig("wgmma", 1)),  # 12.2 us (cluster-mma split 1 31.2)
         (256, 128, 128, KernelConfig("wgmma", 1)),  # 63.5 us (split 1 128.9; session 7)
         (5, 96, 128, KernelConfig(split=4)),  # 4.9 us (split 2 5.3, split 1 7.6; session 28)
-        (1, 16, 8, KernelConfig(split=2)),  # 5.13 us (split 1 5.41; session 26)
+        (1, 16, 8, KernelConfig(split=1)),  # 4.36 us (split 2 4.94; session 31)
         (5, 96, 64, KernelConfig(split=2)),  # 4.91 us (split 1 6.30; session 26)
         (1, 128, 2048, KernelConfig(split=8)),  # 8 clusters of 8: 11.7 us (split 4 19.3)
         (1, 128, 256, KernelConfig(split=8)),  # 5.2 us (split 4, one wave too, 5.6)
