@@ -50,8 +50,9 @@ H200_COSTS = Costs(
 )
 
 # Within a variant, the smallest split predicted within this factor of its fastest: at <= 64
-# keys splits 2 and 4 differ only in their fixed costs, and split 2 measured 5-7% faster
-# (B=1, H=64, K=64: 4.9 vs 5.2 us) where the fit puts split 4 1% ahead.
+# keys splits 2 and 4 differ only in their fixed costs, and split 2 measured 5-6% faster
+# (B=1, H=64, K=64: 4.64 vs 4.88 us; B=5, H=96: 4.76 vs 5.05) where the fit puts split 4 1%
+# ahead.
 SPLIT_TIE = 1.01
 
 
