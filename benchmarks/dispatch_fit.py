@@ -10,8 +10,9 @@ fixed part by split. Each variant's costs come from a least-squares fit on relat
 over every config and shape; then the margins (wgmma's pick must be predicted at most that
 fraction of cluster-mma's time) are scanned for those at which the rule picks a config within
 ``--tie`` of the fastest at every shape. Prints the fitted Costs (rounded as dispatch.py keeps
-them), each variant's median and worst relative error, and the margin window; paste the costs
-into `dispatch.H200_COSTS` with a margin from the window's middle.
+them), each variant's median and worst relative error, the margin window, and a leave-one-out
+check (each shape's pick from costs fitted to the others: a guide to unsurveyed shapes); paste
+the costs into `dispatch.H200_COSTS` with a margin from the window's middle.
 """
 
 from __future__ import annotations
@@ -110,6 +111,17 @@ def margin_window(costs: dispatch.Costs, rows, sm_count: int, tie: float) -> lis
     ]
 
 
+def leave_one_out(rows, sm_count: int, margin: float, tie: float) -> list[tuple]:
+    """The misses (as ``misses``) of each shape's pick under costs fitted to the other shapes:
+    how the rule may do at shapes the survey does not hold."""
+    held_out = []
+    for i in range(len(rows)):
+        costs, _ = fit(rows[:i] + rows[i + 1 :], sm_count)
+        costs = dataclasses.replace(rounded(costs), wgmma_margin=margin)
+        held_out += misses(costs, rows[i : i + 1], sm_count, tie)
+    return held_out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -128,16 +140,27 @@ def main() -> None:
     window = margin_window(costs, rows, sm_count, args.tie)
     if window:
         print(f"margins with no miss beyond {args.tie:.0%}: {window[0]:.2f} .. {window[-1]:.2f}")
-        print(dataclasses.replace(costs, wgmma_margin=window[len(window) // 2]))
+        margin = window[len(window) // 2]
     else:
         missed = {
             m: misses(dataclasses.replace(costs, wgmma_margin=m), rows, sm_count, args.tie)
             for m in MARGINS
         }
-        best = min(MARGINS, key=lambda m: len(missed[m]))
-        listed = "; ".join(f"{shape} {pick} {ratio:.2f}x" for shape, pick, ratio in missed[best])
-        print(f"no margin hits every shape; {best:.2f} misses {len(missed[best])}: {listed}")
-        print(dataclasses.replace(costs, wgmma_margin=best))
+        margin = min(MARGINS, key=lambda m: len(missed[m]))
+        print(
+            f"no margin hits every shape; {margin:.2f} misses {len(missed[margin])}: "
+            f"{listed(missed[margin])}"
+        )
+    print(dataclasses.replace(costs, wgmma_margin=margin))
+    held_out = leave_one_out(rows, sm_count, margin, args.tie)
+    print(
+        f"leave-one-out at margin {margin:.2f}: {len(rows) - len(held_out)} of {len(rows)} "
+        f"within {args.tie:.0%}" + (f"; misses {listed(held_out)}" if held_out else "")
+    )
+
+
+def listed(missed: list[tuple]) -> str:
+    return "; ".join(f"{shape} {pick} {ratio:.2f}x" for shape, pick, ratio in missed)
 
 
 if __name__ == "__main__":
