@@ -4,7 +4,7 @@ The rule sees only static shapes (rows B, padded heads Hp, index width K) and th
 count. It predicts each config's time from per-CTA costs fitted to every shipped config's
 time at 48 shapes (`benchmarks/dispatch_survey.py`, BENCHMARKS.md session 31, H200). Where
 every index slot is valid it picks the fastest config (within 2%) at all 48 (B = 1-64, H =
-16-128, K = 8-2048). Where the
+16-128, K = 8-2048) and at 16 shapes it was not fitted to (tests/data). Where the
 valid counts are far below K (known only on the GPU) it can pick wgmma where cluster-mma
 would be faster (B=5, H=96, 256 of 2048 keys valid: wgmma split 8 ~10 us, cluster-mma split
 4 5.6): callers that know the counts pass ``valid_hint`` (``dcp_decode`` passes a rank's share).
