@@ -122,6 +122,11 @@ def leave_one_out(rows, sm_count: int, margin: float, tie: float) -> list[tuple]
     return held_out
 
 
+def listed(missed: list[tuple]) -> str:
+    """``misses``' rows as one line."""
+    return "; ".join(f"{shape} {pick} {ratio:.2f}x" for shape, pick, ratio in missed)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -157,10 +162,6 @@ def main() -> None:
         f"leave-one-out at margin {margin:.2f}: {len(rows) - len(held_out)} of {len(rows)} "
         f"within {args.tie:.0%}" + (f"; misses {listed(held_out)}" if held_out else "")
     )
-
-
-def listed(missed: list[tuple]) -> str:
-    return "; ".join(f"{shape} {pick} {ratio:.2f}x" for shape, pick, ratio in missed)
 
 
 if __name__ == "__main__":
