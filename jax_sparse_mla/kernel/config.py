@@ -106,7 +106,7 @@ WG_BAR_OFFSET = WG_LIVE_OFFSET + WG_STAGES * WG_KEYS * 4
 WG_SMEM_BYTES = WG_BAR_OFFSET + 8 * (3 + 2 * WG_STAGES) + 8
 # The cluster merge (split > 1) reuses the regions the chunk loop is done with. Each CTA
 # writes its normalised partial as F16 into an outbox in the K tiles, one block per owner
-# ([split, WG_HEADS, LATENT / split]; 16-byte pieces of a head row XOR-swizzled by head % 8),
+# ([split, WG_HEADS, LATENT / split]; 16-byte pieces of a head row swizzled: piece_at),
 # and bulk-copies block r into slot ``part`` of CTA r's inbox (same layout, one block per
 # source); the (max, sum) stats of every source land in the P tile ([split, 2, WG_HEADS] f32).
 WG_OUTBOX_OFFSET = WG_K_OFFSET
