@@ -4,15 +4,16 @@
 
 Reads the JSON that `dispatch_survey.py --out` writes (default: the checked-in H200 survey,
 `tests/data/dispatch_survey_h200.json`). The model is the rule's own (`dispatch.waves`,
-`dispatch.cost_terms`, `dispatch.predicted_us`): a config's time is its waves of clusters
-times one CTA's cost, cluster-mma's per 32-key step and per chunk, wgmma's per chunk, plus a
-fixed part by split. Each variant's costs come from a least-squares fit on relative error
-over every config and shape; then the margins (wgmma's pick must be predicted at most that
-fraction of cluster-mma's time) are scanned for those at which the rule picks a config within
-``--tie`` of the fastest at every shape. Prints the fitted Costs (rounded as dispatch.py keeps
-them), each variant's median and worst relative error, the margin window, and a leave-one-out
-check (each shape's pick from costs fitted to the others: a guide to unsurveyed shapes); paste
-the costs into `dispatch.H200_COSTS` with a margin from the window's middle.
+`dispatch.cost_terms`, `dispatch.predicted_us`): a config's time is its waves of clusters times
+one CTA's cost, cluster-mma's per 32-key step and per chunk, wgmma's per chunk, plus a fixed
+part by split (and wgmma split 8's crowding, `dispatch.crowded`). Each variant's costs come
+from a least-squares fit on relative error over every config and shape; then the margins
+(wgmma's pick must be predicted at most that fraction of cluster-mma's time) are scanned for
+those at which the rule picks a config within ``--tie`` of the fastest at every shape. Prints
+the fitted Costs (rounded as dispatch.py keeps them), each variant's median and worst relative
+error, the margin window, and a leave-one-out check (each shape's pick from costs fitted to the
+others: a guide to unsurveyed shapes); paste the costs into `dispatch.H200_COSTS` with a margin
+from the window's middle.
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ def load(paths: list[pathlib.Path]) -> tuple[list[tuple[tuple[int, int, int], di
 
 
 def fit_variant(variant: str, rows, sm_count: int) -> tuple[list[float], dict, list[float]]:
-    """Least squares on relative error: (variable costs, fixed cost by split, relative errors)."""
+    """Least squares on relative error: (variable costs, fixed cost by split, relative errors);
+    wgmma's variable costs end with its crowding cost (``dispatch.crowded``)."""
     configs = [c for c in ALL_CONFIGS if c.variant == variant]
     design, times = [], []
     for (batch, heads, width), us in rows:
@@ -59,21 +61,30 @@ def fit_variant(variant: str, rows, sm_count: int) -> tuple[list[float], dict, l
             waves = dispatch.waves(config, batch, heads, sm_count)
             terms = list(dispatch.cost_terms(config, width))
             fixed = [float(config.split == split) for split in SPLITS]
-            design.append([waves * t for t in terms + fixed])
+            row = [waves * t for t in terms + fixed]
+            if variant == "wgmma":
+                row.append(dispatch.crowded(config, batch, heads, sm_count))
+            design.append(row)
             times.append(us[config.slug])
     design, times = np.array(design), np.array(times)
     solution, *_ = np.linalg.lstsq(design / times[:, None], np.ones_like(times), rcond=None)
     errors = list(design @ solution / times - 1)
-    variable = [float(x) for x in solution[: -len(SPLITS)]]
-    fixed = {split: float(x) for split, x in zip(SPLITS, solution[-len(SPLITS) :], strict=True)}
+    terms = len(solution) - len(SPLITS) - (variant == "wgmma")
+    variable = [float(x) for x in solution[:terms]] + [
+        float(x) for x in solution[terms + len(SPLITS) :]
+    ]
+    fixed = {
+        split: float(x)
+        for split, x in zip(SPLITS, solution[terms : terms + len(SPLITS)], strict=True)
+    }
     return variable, fixed, errors
 
 
 def fit(rows, sm_count: int) -> tuple[dispatch.Costs, dict]:
     """The fitted Costs (margin 1.0: scan it with margin_window) and each variant's errors."""
     (step, chunk), mma_fixed, mma_errors = fit_variant("cluster-mma", rows, sm_count)
-    (wg_chunk,), wg_fixed, wg_errors = fit_variant("wgmma", rows, sm_count)
-    costs = dispatch.Costs(step, chunk, mma_fixed, wg_chunk, wg_fixed, 1.0)
+    (wg_chunk, wg_crowded), wg_fixed, wg_errors = fit_variant("wgmma", rows, sm_count)
+    costs = dispatch.Costs(step, chunk, mma_fixed, wg_chunk, wg_fixed, wg_crowded, 1.0)
     return costs, {"cluster-mma": mma_errors, "wgmma": wg_errors}
 
 
@@ -89,6 +100,7 @@ def rounded(costs: dispatch.Costs) -> dispatch.Costs:
         {s: r(v) for s, v in costs.mma_fixed.items()},
         r(costs.wgmma_per_chunk),
         {s: r(v) for s, v in costs.wgmma_fixed.items()},
+        r(costs.wgmma_crowded),
         r(costs.wgmma_margin),
     )
 
