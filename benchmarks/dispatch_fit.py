@@ -61,22 +61,14 @@ def fit_variant(variant: str, rows, sm_count: int) -> tuple[list[float], dict, l
             waves = dispatch.waves(config, batch, heads, sm_count)
             terms = list(dispatch.cost_terms(config, width))
             fixed = [float(config.split == split) for split in SPLITS]
-            row = [waves * t for t in terms + fixed]
-            if variant == "wgmma":
-                row.append(dispatch.crowded(config, batch, heads, sm_count))
-            design.append(row)
+            crowding = [dispatch.crowded(config, batch, heads, sm_count)] * (variant == "wgmma")
+            design.append([waves * t for t in terms] + crowding + [waves * f for f in fixed])
             times.append(us[config.slug])
     design, times = np.array(design), np.array(times)
     solution, *_ = np.linalg.lstsq(design / times[:, None], np.ones_like(times), rcond=None)
     errors = list(design @ solution / times - 1)
-    terms = len(solution) - len(SPLITS) - (variant == "wgmma")
-    variable = [float(x) for x in solution[:terms]] + [
-        float(x) for x in solution[terms + len(SPLITS) :]
-    ]
-    fixed = {
-        split: float(x)
-        for split, x in zip(SPLITS, solution[terms : terms + len(SPLITS)], strict=True)
-    }
+    variable = [float(x) for x in solution[: -len(SPLITS)]]
+    fixed = {split: float(x) for split, x in zip(SPLITS, solution[-len(SPLITS) :], strict=True)}
     return variable, fixed, errors
 
 
