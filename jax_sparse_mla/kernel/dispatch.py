@@ -70,10 +70,14 @@ def active_clusters(size: int, sm_count: int) -> int:
     return max(1, sm_count * 10 // 11 // size)
 
 
+def clusters(config: KernelConfig, batch: int, padded_heads: int) -> int:
+    """``config``'s clusters for B = ``batch`` rows of Hp = ``padded_heads`` heads."""
+    return batch * -(-padded_heads // config.head_tile)
+
+
 def waves(config: KernelConfig, batch: int, padded_heads: int, sm_count: int) -> int:
     """Waves of ``config``'s clusters for B = ``batch`` rows of Hp = ``padded_heads`` heads."""
-    clusters = batch * -(-padded_heads // config.head_tile)
-    return -(-clusters // active_clusters(config.cluster[0], sm_count))
+    return -(-clusters(config, batch, padded_heads) // active_clusters(config.cluster[0], sm_count))
 
 
 def gpc_count(sm_count: int) -> int:
@@ -89,8 +93,8 @@ def crowded(config: KernelConfig, batch: int, padded_heads: int, sm_count: int) 
     session 33)."""
     if config.variant != "wgmma" or config.cluster[0] != 8:
         return 0
-    clusters = batch * -(-padded_heads // config.head_tile)
-    return int(min(clusters, active_clusters(8, sm_count)) > gpc_count(sm_count))
+    first_wave = min(clusters(config, batch, padded_heads), active_clusters(8, sm_count))
+    return int(first_wave > gpc_count(sm_count))
 
 
 def cost_terms(config: KernelConfig, width: int) -> tuple[int, ...]:

@@ -132,10 +132,14 @@ class DecodeKernel:
     def piece_at(self, region, block, head, column):
         """Address of the 16-byte piece holding ``column`` (of a block's ``self.cols``) of
         ``head`` in block ``block`` of an outbox or inbox ([split, tile heads, cols] F16;
-        the pieces of a head row XOR-swizzled by head % 8 against bank conflicts; blocks
-        ``self.block`` bytes apart)."""
-        piece = (column // 8) ^ (head % 8)
+        the pieces of a head row XOR-swizzled by head % 8 and ``piece_flip`` against bank
+        conflicts; blocks ``self.block`` bytes apart)."""
+        piece = (column // 8) ^ (head % 8) ^ self.piece_flip(head)
         return region + block * self.block + head * (self.cols * 2) + piece * 16
+
+    def piece_flip(self, head):
+        """A variant's further XOR of a head row's piece indices: none here."""
+        return 0
 
     @cute.jit
     def normaliser(self, out_scale, total):

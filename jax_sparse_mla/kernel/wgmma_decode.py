@@ -587,15 +587,12 @@ class WgmmaDecode(DecodeKernel):
                 if dest.push:
                     ptx.bulk_wait()  # the rows have landed before the flag's release
 
-    def piece_at(self, region, block, head, column):
-        """Address of the 16-byte piece holding ``column`` of ``head`` in block ``block`` of
-        the outbox or inbox ([split, WG_HEADS, cols] F16, blocks ``self.block`` bytes apart).
-        Piece p of head h sits at p ^ (h % 8) ^ 4 (h % 2): stmatrix's eight rows (heads h0 ..
-        h0 + 7) hit eight bank groups, and so do the merge's 16-byte loads, whose eight lanes
-        per phase read pieces 4 k + q (q < 4) of heads h and h + 1 (swizzled by h % 8 alone,
-        two heads shared four bank groups: twice the ideal wavefronts, Nsight Compute)."""
-        piece = (column // 8) ^ (head % 8) ^ (4 * (head % 2))
-        return region + block * self.block + head * (self.cols * 2) + piece * 16
+    def piece_flip(self, head):
+        """4 (head % 2), on top of the swizzle by head % 8: stmatrix's eight rows (heads h0 ..
+        h0 + 7) still hit eight bank groups, and so do the merge's 16-byte loads, whose eight
+        lanes per phase read pieces 4 k + q (q < 4) of heads h and h + 1 (swizzled by h % 8
+        alone, two heads shared four bank groups: twice the ideal wavefronts, Nsight Compute)."""
+        return 4 * (head % 2)
 
     @cute.jit
     def fill_outbox(self, sOutbox, acc, totals, tid):
