@@ -108,15 +108,18 @@ WG_SMEM_BYTES = WG_BAR_OFFSET + 8 * (3 + 2 * WG_STAGES) + 8
 # writes its normalised partial as F16 into an outbox in the K tiles, one block per owner
 # ([split, WG_HEADS, LATENT / split]; 16-byte pieces of a head row swizzled: piece_at),
 # and bulk-copies block r into slot ``part`` of CTA r's inbox (same layout, one block per
-# source); the (max, sum) stats of every source land in the P tile ([split, 2, WG_HEADS] f32).
+# source); the (max, sum) stats of every source land in the P tile ([split, 2, WG_HEADS] f32),
+# except at split 8, where each block is followed by its sender's ([WG_HEADS, 2] f32), so that
+# one bulk copy carries both.
 WG_OUTBOX_OFFSET = WG_K_OFFSET
 # Split 1 stages its BF16 output in the K tiles, one head row per WG_OUT_PITCH bytes (16 bytes
 # of padding: stmatrix's 8 rows of 16 bytes hit 32 banks), for one bulk copy per row.
 WG_OUT_PITCH = LATENT * 2 + 16
 assert WG_HEADS * WG_OUT_PITCH <= WG_STAGES * WG_F16_TILE
-WG_INBOX_OFFSET = WG_OUTBOX_OFFSET + WG_HEADS * LATENT * 2
+WG_MERGE_BYTES = WG_HEADS * LATENT * 2 + MAX_SPLIT * WG_HEADS * 8  # an outbox or inbox, at most
+WG_INBOX_OFFSET = WG_OUTBOX_OFFSET + WG_MERGE_BYTES
 WG_STATS_OFFSET = WG_P_OFFSET
-assert WG_INBOX_OFFSET + WG_HEADS * LATENT * 2 <= WG_P_OFFSET
+assert WG_INBOX_OFFSET + WG_MERGE_BYTES <= WG_P_OFFSET
 
 
 @dataclasses.dataclass(frozen=True)

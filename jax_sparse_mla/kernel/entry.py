@@ -43,14 +43,21 @@ class DecodeKernel:
         self.config = config
         self.split = config.split
 
-    def merge_layout(self, tile_heads: int) -> None:
+    def merge_layout(self, tile_heads: int, stats_in_blocks: bool = False) -> None:
         """The cluster merge's sizes for ``tile_heads`` heads per cluster: ``cols`` latent
-        columns per CTA, ``block`` bytes of one F16 partial block (an owner's columns), and
-        ``inbound_bytes`` each CTA receives (its columns of every peer's block, its own stays
-        in its outbox, and every source's (max, sum) stats)."""
+        columns per CTA, ``block`` bytes of one F16 partial block (an owner's columns),
+        ``stride`` bytes between blocks (``stats_in_blocks``: each block followed by the
+        sender's (max, sum) per head, [tile_heads, 2] f32, so that one bulk copy carries
+        both; else the stats travel apart, ``push_stats``), and ``inbound_bytes`` each CTA
+        receives (its columns of every peer's block, its own stays in its outbox, and every
+        source's stats)."""
         self.cols = LATENT // self.split
         self.block = tile_heads * self.cols * 2
-        self.inbound_bytes = (self.split - 1) * self.block + self.split * 2 * tile_heads * 4
+        self.stats_in_blocks = stats_in_blocks
+        self.stride = self.block + (tile_heads * 8 if stats_in_blocks else 0)
+        self.inbound_bytes = (self.split - 1) * self.stride + (
+            0 if stats_in_blocks else self.split * 2 * tile_heads * 4
+        )
 
     @cute.jit
     def __call__(
@@ -123,9 +130,9 @@ class DecodeKernel:
         for step in cutlass.range_constexpr(1, self.split):
             peer = (part + step) % self.split
             ptx.copy_s2c(
-                ptx.map_peer(sInbox + part * self.block, peer),
-                sOutbox + peer * self.block,
-                self.block,
+                ptx.map_peer(sInbox + part * self.stride, peer),
+                sOutbox + peer * self.stride,
+                self.stride,
                 ptx.map_peer(inbound, peer),
             )
 
@@ -133,9 +140,9 @@ class DecodeKernel:
         """Address of the 16-byte piece holding ``column`` (of a block's ``self.cols``) of
         ``head`` in block ``block`` of an outbox or inbox ([split, tile heads, cols] F16;
         the pieces of a head row XOR-swizzled by head % 8 and ``piece_flip`` against bank
-        conflicts; blocks ``self.block`` bytes apart)."""
+        conflicts; blocks ``self.stride`` bytes apart)."""
         piece = (column // 8) ^ (head % 8) ^ self.piece_flip(head)
-        return region + block * self.block + head * (self.cols * 2) + piece * 16
+        return region + block * self.stride + head * (self.cols * 2) + piece * 16
 
     def piece_flip(self, head):
         """A variant's further XOR of a head row's piece indices: none here."""
@@ -236,25 +243,35 @@ class DecodeKernel:
         block) over the split sources: the common max, the sum of the weights (each
         source's sum x 2^(max - common max)) and the weighted sums of the sources'
         normalised F16 partials (8 per column piece, FP32). Source c's block is slot c of
-        the inbox, this CTA's own (c = part) its outbox block ``part``."""
+        the inbox, this CTA's own (c = part) its outbox block ``part``; its stats follow the
+        block (``stats_in_blocks``) or sit in sStats ([split, 2, tile_heads] f32)."""
         neg_inf = Float32(-math.inf)
+
+        def source(c):
+            return ptx.where_i32(c == part, sOutbox + (part - c) * self.stride, sInbox)
+
+        maxima = [
+            source(c) + c * self.stride + self.block + head * 8
+            if self.stats_in_blocks
+            else sStats + (c * 2 * tile_heads + head) * 4
+            for c in range(self.split)
+        ]
+        sum_offset = 4 if self.stats_in_blocks else tile_heads * 4
         top = neg_inf
         for c in cutlass.range_constexpr(self.split):
-            m_src = sStats + (c * 2 * tile_heads + head) * 4
-            top = cute.arch.fmax(top, ptx.load_shared_f32(m_src))
+            top = cute.arch.fmax(top, ptx.load_shared_f32(maxima[c]))
         total = Float32(0.0)
         merged = cute.make_rmem_tensor((len(columns) * 8,), Float32)
         merged.fill(0.0)
         for c in cutlass.range_constexpr(self.split):
-            maximum = ptx.load_shared_f32(sStats + (c * 2 * tile_heads + head) * 4)
-            partial_sum = ptx.load_shared_f32(sStats + ((c * 2 + 1) * tile_heads + head) * 4)
+            maximum = ptx.load_shared_f32(maxima[c])
+            partial_sum = ptx.load_shared_f32(maxima[c] + sum_offset)
             rise = cute.math.exp2(maximum - top, fastmath=True)
             # A source without live keys weighs 0 (a NaN sum still poisons the total).
             weight = ptx.where(maximum != neg_inf, rise, 0.0) * partial_sum
             total = total + weight
-            source = ptx.where_i32(c == part, sOutbox + (part - c) * self.block, sInbox)
             for k in cutlass.range_constexpr(len(columns)):
-                halves = ptx.load_shared_v4(self.piece_at(source, c, head, columns[k]))
+                halves = ptx.load_shared_v4(self.piece_at(source(c), c, head, columns[k]))
                 for e in cutlass.range_constexpr(4):
                     low, high = ptx.f16x2_to_f32(halves[e])
                     merged[8 * k + 2 * e] = merged[8 * k + 2 * e] + weight * low

@@ -216,6 +216,13 @@ def store_shared_u32(addr, word, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def store_shared_v2_f32(addr, low, high, *, loc=None, ip=None) -> None:
+    """Two floats to shared memory (8-byte aligned)."""
+    operands = [_i32(addr, loc, ip), _f32(low, loc, ip), _f32(high, loc, ip)]
+    _asm(None, operands, "st.shared.v2.f32 [$0], {$1, $2};", "r,f,f,~{memory}", True, loc, ip)
+
+
+@dsl_user_op
 def store_shared_f32(addr, value, *, loc=None, ip=None) -> None:
     """st.shared.f32."""
     operands = [_i32(addr, loc, ip), _f32(value, loc, ip)]

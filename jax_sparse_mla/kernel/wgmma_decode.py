@@ -26,11 +26,14 @@ Split > 1 (KernelConfig("wgmma", split)): a cluster of split CTAs per (64 heads,
 its O / l as F16 into an outbox in its (now free) K tiles, one block of LATENT / split columns
 per CTA of the cluster; a cluster barrier; one bulk copy (cp.async.bulk shared::cta ->
 shared::cluster) per peer moves block r into peer r's inbox, and st.async its (max, sum) per
-head, all completing on the receiver's mbarrier. Each CTA then merges its columns over the
+head (split 8: the stats follow each block, in the same copy), all completing on the
+receiver's mbarrier. Each CTA then merges its columns over the
 split partials, weighted by sum x 2^(max - common max), and writes them as BF16 (part 0 the
 LSE). F16 suffices for a normalised partial (|O / l| <= max |V|; 11 mantissa bits before the
 BF16 output's 8), and halves the DSMEM traffic: a first build pushed FP32 partials with 8-byte
 st.async and ran rank-full (B=5, H=128, 2048 keys, split 8) in 32.3 us; this one in 19.9.
+Pulling the peers' blocks by ld.shared::cluster instead of pushing them was slower (rank-full
+16.0 -> 17.5 us, session 34).
 
 Why F16 and not FP8 wgmma for QK: Hopper's FP8 wgmma accumulates with reduced precision
 (measured: LSE off by ~1e-3 against float64 at K = 2048, 50x the FP32 tolerance this package
@@ -145,7 +148,11 @@ class WgmmaDecode(DecodeKernel):
         super().__init__(config)
         # split 1 normalises in its own epilogue; split > 1 merges over the cluster (DSMEM).
         self.clustered = self.split > 1
-        self.merge_layout(WG_HEADS)
+        # Split 8 sends each peer its (max, sum) per head after the block, in the same bulk
+        # copy: 64 heads x 8 peers x 2 st.async of 4 bytes per CTA cost more than 512 bytes
+        # more per copy (rank-full 16.00 -> 15.66 us); at splits 2 and 4 the st.async were
+        # 0.1-0.2 us faster (session 34).
+        self.merge_layout(WG_HEADS, stats_in_blocks=self.split == 8)
         assert self.cols // 8 >= 8  # 8+ pieces per head row: the swizzle by head % 8
         assert self.split * 2 * WG_HEADS * 4 <= WG_HEADS * WG_KEYS * 2  # stats in the P tile
 
@@ -331,6 +338,15 @@ class WgmmaDecode(DecodeKernel):
             ptx.barrier_sync(LOOPS_DONE, WG_THREADS)
             cute.arch.warpgroup_reg_alloc(SHARED_REGISTERS)
 
+        if cutlass.const_expr(self.clustered):
+            # This CTA is done with its tiles, where the peers' blocks and stats will land: the
+            # cluster barrier's arrive now and its wait once the outbox is filled, so that the
+            # barrier's latency hides behind the sums and the outbox (0.03-0.5 us, session
+            # 34). Relaxed: the tiles' last accesses (wgmma, waited for; stores, before
+            # LOOPS_DONE) are done; a release arrive compiled to a GPU-scope MEMBAR (0.10-0.26
+            # us, session 32). The outbox reaches this CTA's own copies through the proxy
+            # fence and the CTA barrier after the wait.
+            cute.arch.cluster_arrive_relaxed()
         # Read now, used by the merge or epilogue: its latency hides behind the sums' barrier
         # (not in the prologue: it would hold a register through every warpgroup's loop).
         out_scale = ptx.load_global_f32(mScales.toint() + 4)
@@ -354,16 +370,9 @@ class WgmmaDecode(DecodeKernel):
             sOutbox, sInbox = base + WG_OUTBOX_OFFSET, base + WG_INBOX_OFFSET
             sStats = base + WG_STATS_OFFSET
             if tid < WG_CONSUMERS:
-                self.fill_outbox(sOutbox, acc, totals, tid)
+                self.fill_outbox(sOutbox, acc, m_run, totals, tid)
             ptx.fence_proxy_async_shared()  # the outbox is read by bulk copies
-            # Every CTA of the cluster is done with its tiles (inbox and stats regions), and
-            # this CTA's outbox is complete. Relaxed: a peer's accesses to those regions are
-            # done at its arrive (its wgmma waited, the proxy fence above ordered its stores),
-            # and the outbox reaches this CTA's own copies through that fence and the CTA
-            # barrier below. A release arrive compiled to a GPU-scope MEMBAR behind the
-            # outbox's 64 KB of stores (0.10-0.26 us per launch, session 32).
-            cute.arch.cluster_arrive_relaxed()
-            cute.arch.cluster_wait()
+            cute.arch.cluster_wait()  # every CTA of the cluster is done with its tiles
             # Also a CTA barrier (the cluster barrier is one already): racecheck models only
             # CTA barriers, and the merge reads this CTA's own block from the outbox.
             cute.arch.sync_threads()
@@ -595,9 +604,20 @@ class WgmmaDecode(DecodeKernel):
         return 4 * (head % 2)
 
     @cute.jit
-    def fill_outbox(self, sOutbox, acc, totals, tid):
+    def fill_outbox(self, sOutbox, acc, m_run, totals, tid):
         """This CTA's partial O / l as F16 into the outbox (0 for a head without live keys),
-        block ``owner`` holding the columns CTA ``owner`` merges."""
+        block ``owner`` holding the columns CTA ``owner`` merges; with ``stats_in_blocks``
+        also its (max, sum) per head after each block (warpgroup 0's, whose quads hold them:
+        lane q of a quad writes every fourth block)."""
+        if cutlass.const_expr(self.stats_in_blocks):
+            warp, lane = (tid % 128) // 32, tid % 32
+            if tid < 128:
+                for r in cutlass.range_constexpr(2):
+                    head = 16 * warp + lane // 4 + 8 * r
+                    for owner in cutlass.range_constexpr(self.split):
+                        if owner % 4 == lane % 4:
+                            tail = sOutbox + owner * self.stride + self.block + head * 8
+                            ptx.store_shared_v2_f32(tail, m_run[r], totals[r])
         inverse = [self.normaliser(Float32(1.0), totals[r])[1] for r in range(2)]
         store_fragments(
             acc,
@@ -612,13 +632,14 @@ class WgmmaDecode(DecodeKernel):
     @cute.jit
     def push(self, sOutbox, sInbox, sStats, inbound, m_run, totals, part, tid):
         """Outbox block r into slot ``part`` of peer r's inbox (one bulk copy each, issued by
-        one thread; block ``part`` stays), and this CTA's (max, sum) per head into every CTA's
-        stats (st.async); all complete on the receiver's inbound barrier."""
+        one thread; block ``part`` stays), and, unless they travel in the blocks, this CTA's
+        (max, sum) per head into every CTA's stats (st.async); all complete on the receiver's
+        inbound barrier."""
         group = tid // 128
         warp, lane = (tid % 128) // 32, tid % 32
         if tid == 0:
             self.send_blocks(sOutbox, sInbox, inbound, part)
-        if (group == 0) & (lane % 4 == 0):
+        if (group == 0) & (lane % 4 == 0) & cutlass.const_expr(not self.stats_in_blocks):
             for r in cutlass.range_constexpr(2):
                 head = 16 * warp + lane // 4 + 8 * r
                 self.push_stats(sStats, inbound, part, head, WG_HEADS, m_run[r], totals[r])
