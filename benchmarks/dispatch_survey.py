@@ -15,8 +15,10 @@ the summary counts the shapes where the pick is within ``--tie`` of the fastest 
 worst miss. ``--out`` writes every timing as JSON (the data for refitting the rule's costs).
 The default grid is the 48 shapes the rule is fitted to: session 26's 25 all-valid shapes and 11
 with K <= 128, and session 28's 12 (the benchmark's cases among them; BENCHMARKS.md). Their
-session-33 H200 timings are `tests/data/dispatch_survey_h200.json`, which a CPU test holds the
-rule to; `dispatch_fit.py` refits the rule's costs to such a file.
+session-33 H200 timings, which the rule's costs are fitted to, are
+`tests/data/dispatch_survey_h200.json` (`dispatch_fit.py` refits the costs to such a file);
+the shipped kernels' timings at those 48 shapes and 16 others (session 34), which a CPU test
+holds the rule's picks to, are `tests/data/dispatch_shipped_h200.json`.
 """
 
 from __future__ import annotations

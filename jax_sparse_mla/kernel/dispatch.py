@@ -43,6 +43,9 @@ class Costs:
 # at both. With it and SPLIT_TIE, margins 0.94-0.97 pick the fastest config (within 2%) at all
 # 48 shapes: 0.93 misses B=16, H=128, K=384 (cluster-mma split 1 14.1 us vs wgmma split 2
 # 12.9), 0.98 misses B=5, H=128, K=512 (wgmma split 8 10.1 vs cluster-mma split 2 9.5).
+# Session 34's merge change made wgmma splits 2-8 0.03-0.6 us faster (split 8 the most where
+# crowded); on its survey (tests/data/dispatch_shipped_h200.json) these costs still pick
+# within 2% at all 48 shapes and 16 others, while a refit to it finds no such margin.
 H200_COSTS = Costs(
     mma_per_step=0.52,
     mma_per_chunk=1.56,
