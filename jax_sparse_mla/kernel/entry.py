@@ -148,6 +148,11 @@ class DecodeKernel:
         """A variant's further XOR of a head row's piece indices: none here."""
         return 0
 
+    def stats_at(self, region, block, head):
+        """Address of ``head``'s (max, sum) f32 pair after block ``block`` of an outbox or
+        inbox (``stats_in_blocks``)."""
+        return region + block * self.stride + self.block + head * 8
+
     @cute.jit
     def normaliser(self, out_scale, total):
         """(nonempty, out_scale / total) of a row's sum; a row without live keys gets 0.
@@ -251,7 +256,7 @@ class DecodeKernel:
             return ptx.where_i32(c == part, sOutbox + (part - c) * self.stride, sInbox)
 
         maxima = [
-            source(c) + c * self.stride + self.block + head * 8
+            self.stats_at(source(c), c, head)
             if self.stats_in_blocks
             else sStats + (c * 2 * tile_heads + head) * 4
             for c in range(self.split)

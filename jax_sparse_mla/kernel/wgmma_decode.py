@@ -26,14 +26,13 @@ Split > 1 (KernelConfig("wgmma", split)): a cluster of split CTAs per (64 heads,
 its O / l as F16 into an outbox in its (now free) K tiles, one block of LATENT / split columns
 per CTA of the cluster; a cluster barrier; one bulk copy (cp.async.bulk shared::cta ->
 shared::cluster) per peer moves block r into peer r's inbox, and st.async its (max, sum) per
-head (split 8: the stats follow each block, in the same copy), all completing on the
-receiver's mbarrier. Each CTA then merges its columns over the
-split partials, weighted by sum x 2^(max - common max), and writes them as BF16 (part 0 the
-LSE). F16 suffices for a normalised partial (|O / l| <= max |V|; 11 mantissa bits before the
-BF16 output's 8), and halves the DSMEM traffic: a first build pushed FP32 partials with 8-byte
-st.async and ran rank-full (B=5, H=128, 2048 keys, split 8) in 32.3 us; this one in 19.9.
-Pulling the peers' blocks by ld.shared::cluster instead of pushing them was slower (rank-full
-16.0 -> 17.5 us, session 34).
+head (split 8: the stats follow each block, in the same copy), all completing on the receiver's
+mbarrier. Each CTA then merges its columns over the split partials, weighted by sum x 2^(max -
+common max), and writes them as BF16 (part 0 the LSE). F16 suffices for a normalised partial
+(|O / l| <= max |V|; 11 mantissa bits before the BF16 output's 8), and halves the DSMEM
+traffic: a first build pushed FP32 partials with 8-byte st.async and ran rank-full (B=5, H=128,
+2048 keys, split 8) in 32.3 us; this one in 19.9. Pulling the peers' blocks by
+ld.shared::cluster instead of pushing them was slower (rank-full 16.0 -> 17.5 us, session 34).
 
 Why F16 and not FP8 wgmma for QK: Hopper's FP8 wgmma accumulates with reduced precision
 (measured: LSE off by ~1e-3 against float64 at K = 2048, 50x the FP32 tolerance this package
@@ -616,7 +615,7 @@ class WgmmaDecode(DecodeKernel):
                     head = 16 * warp + lane // 4 + 8 * r
                     for owner in cutlass.range_constexpr(self.split):
                         if owner % 4 == lane % 4:
-                            tail = sOutbox + owner * self.stride + self.block + head * 8
+                            tail = self.stats_at(sOutbox, owner, head)
                             ptx.store_shared_v2_f32(tail, m_run[r], totals[r])
         inverse = [self.normaliser(Float32(1.0), totals[r])[1] for r in range(2)]
         store_fragments(
