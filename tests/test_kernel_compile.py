@@ -136,6 +136,8 @@ def test_sass(cubin_path, config):
         # One arrive and one wait per group (QK, two PVs): ptxas did not serialise the wgmmas.
         assert counts.get("WARPGROUP", 0) == 6, counts.get("WARPGROUP")
         assert "LDG.E.128" in sass and "LDGSTS" not in counts  # gathers through registers
+        # A loader's 9 pieces of a row at immediate offsets from one address (+0x40 .. +0x200)
+        assert re.search(r"LDG\.E\.128 R\d+, desc\[UR\d+\]\[R\d+\.64\+0x200\]", sass)
         assert len(re.findall(r"HGMMA\.64x64x16\.F32 R\d+, gdesc\[UR\d+\]", sass)) == 36
         # PV: B (V) read MN-major from shared memory.
         assert len(re.findall(r"HGMMA\.64x256x16\.F32 R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 8
