@@ -517,7 +517,8 @@ class WgmmaDecode(DecodeKernel):
         live[k] = Int32(alive)
         if alive:
             # One address per key, the pieces at immediate offsets from it: an address per
-            # piece cost two 64-bit adds per load (0.2-1.9 us per launch, session 35).
+            # piece cost two 64-bit adds per load (0.1-1.5 us per launch at the dispatched
+            # configs, session 35).
             src = mKV.toint() + Int64(row) * row_bytes + 16 * (loader % COPIERS)
             for i in cutlass.range_constexpr(MINE):
                 words = ptx.load_global_v4(src + 16 * COPIERS * i)
