@@ -57,10 +57,10 @@ def test_bad_shapes_are_refused_by_name(survey, text):
 
 @pytest.mark.parametrize("subset", ["fitted", "held-out"])
 def test_the_rule_picks_the_fastest_at_every_surveyed_shape(survey, subset):
-    """The shipped kernels' H200 timings (session 34, every config): the rule's pick is within
-    2% of the fastest config at every shape of the default grid it is fitted to and at 16
-    shapes it is not. A refit or a kernel change that moves a pick shows here; re-run the
-    surveys (--out) on the GPU to refresh the data."""
+    """The H200 timings of session 34's kernels (every config): the rule's pick is within 2%
+    of the fastest config at every shape of the default grid it is fitted to and at 16 shapes
+    it is not. A refit that moves a pick shows here; a kernel change shows only once the
+    surveys are re-run (--out) on the GPU (session 35's faster wgmma producer is not in them)."""
     data = json.loads(H200_SHIPPED.read_text())
     rows = [row for row in data["shapes"] if row["set"] == subset]
     shapes = [tuple(row["shape"]) for row in rows]
