@@ -17,7 +17,7 @@ The default grid is the 48 shapes the rule is fitted to: session 26's 25 all-val
 with K <= 128, and session 28's 12 (the benchmark's cases among them; BENCHMARKS.md). Their
 session-33 H200 timings, which the rule's costs are fitted to, are
 `tests/data/dispatch_survey_h200.json` (`dispatch_fit.py` refits the costs to such a file);
-the shipped kernels' timings at those 48 shapes and 16 others (session 34), which a CPU test
+the shipped kernels' timings at those 48 shapes and 16 others (session 36), which a CPU test
 holds the rule's picks to, are `tests/data/dispatch_shipped_h200.json`.
 """
 

@@ -11,7 +11,7 @@ from jax_sparse_mla.kernel import dispatch
 from jax_sparse_mla.kernel.config import ALL_CONFIGS, KernelConfig
 
 # The timings the rule's costs are fitted to (session 33), and those of the shipped kernels
-# (session 34: the 48 fitted shapes and 16 others), which the rule's picks are checked on.
+# (session 36: the 48 fitted shapes and 16 others), which the rule's picks are checked on.
 H200_SURVEY = pathlib.Path(__file__).parent / "data" / "dispatch_survey_h200.json"
 H200_SHIPPED = pathlib.Path(__file__).parent / "data" / "dispatch_shipped_h200.json"
 
@@ -57,10 +57,10 @@ def test_bad_shapes_are_refused_by_name(survey, text):
 
 @pytest.mark.parametrize("subset", ["fitted", "held-out"])
 def test_the_rule_picks_the_fastest_at_every_surveyed_shape(survey, subset):
-    """The H200 timings of session 34's kernels (every config): the rule's pick is within 2%
+    """The H200 timings of session 36's kernels (every config): the rule's pick is within 2%
     of the fastest config at every shape of the default grid it is fitted to and at 16 shapes
     it is not. A refit that moves a pick shows here; a kernel change shows only once the
-    surveys are re-run (--out) on the GPU (session 35's faster wgmma producer is not in them)."""
+    surveys are re-run (--out) on the GPU."""
     data = json.loads(H200_SHIPPED.read_text())
     rows = [row for row in data["shapes"] if row["set"] == subset]
     shapes = [tuple(row["shape"]) for row in rows]

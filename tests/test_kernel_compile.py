@@ -138,6 +138,9 @@ def test_sass(cubin_path, config):
         assert "LDG.E.128" in sass and "LDGSTS" not in counts  # gathers through registers
         # A loader's 9 pieces of a row at immediate offsets from one address (+0x40 .. +0x200)
         assert re.search(r"LDG\.E\.128 R\d+, desc\[UR\d+\]\[R\d+\.64\+0x200\]", sass)
+        # A dead key's words zeroed at the fetch (splits 1 and 8) or selected per word in the
+        # widening (2 and 4: 72 SEL per chunk), each split's faster spelling.
+        assert (counts.get("SEL", 0) >= 72) == (config.split in (2, 4)), counts.get("SEL")
         assert len(re.findall(r"HGMMA\.64x64x16\.F32 R\d+, gdesc\[UR\d+\]", sass)) == 36
         # PV: B (V) read MN-major from shared memory.
         assert len(re.findall(r"HGMMA\.64x256x16\.F32 R\d+, gdesc\[UR\d+\]\.tnspB", sass)) == 8

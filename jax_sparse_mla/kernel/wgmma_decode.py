@@ -152,6 +152,12 @@ class WgmmaDecode(DecodeKernel):
         # more per copy (rank-full 16.00 -> 15.66 us); at splits 2 and 4 the st.async were
         # 0.1-0.2 us faster (session 34).
         self.merge_layout(WG_HEADS, stats_in_blocks=self.split == 8)
+        # A dead key's staged registers are zeroed at the fetch (splits 1 and 8) or each word
+        # selected at the widening (splits 2 and 4): the same result, scheduled differently by
+        # ptxas; each split has the spelling faster at the shapes the dispatch gives it
+        # (session 36: split 1 -1.8 / -2.9 us at B = 64 / 128, split 8 -0.13 at rank-full;
+        # zeroing at the fetch, split 2 is up to 1.7 slower, split 1 at B <= 16 up to 4.2).
+        self.zero_dead_at_fetch = self.split in (1, 8)
         assert self.cols // 8 >= 8  # 8+ pieces per head row: the swizzle by head % 8
         assert self.split * 2 * WG_HEADS * 4 <= WG_HEADS * WG_KEYS * 2  # stats in the P tile
 
@@ -510,8 +516,8 @@ class WgmmaDecode(DecodeKernel):
         k: cutlass.Constexpr[int],
     ):
         """Start loading loader ``loader``'s MINE pieces of cache row ``rows[k]`` into key k's
-        part of ``staged`` (nothing for a row outside [0, n_rows)); ``live[k]`` gets whether
-        it is."""
+        part of ``staged`` (nothing for a row outside [0, n_rows), or zeros with
+        ``zero_dead_at_fetch``); ``live[k]`` gets whether it is."""
         row = rows[k]
         alive = (row >= 0) & (row < n_rows)
         live[k] = Int32(alive)
@@ -524,22 +530,28 @@ class WgmmaDecode(DecodeKernel):
                 words = ptx.load_global_v4(src + 16 * COPIERS * i)
                 for e in cutlass.range_constexpr(4):
                     staged[4 * (MINE * k + i) + e] = words[e]
+        elif cutlass.const_expr(self.zero_dead_at_fetch):
+            for j in cutlass.range_constexpr(MINE * 4):
+                staged[MINE * 4 * k + j] = Int32(0)
 
     @cute.jit
     def widen(self, staged, live, sKc, sLivec, loader, k: cutlass.Constexpr[int]):
-        """Key k's staged pieces as F16 into the K tile sKc (zeros for a dead key: its
-        registers are stale, and P = 0 must not meet a NaN), and its live flag into sLivec.
+        """Key k's staged pieces as F16 into the K tile sKc (zeros for a dead key: P = 0 must
+        not meet a stale NaN; zeroed at the fetch or here, ``zero_dead_at_fetch``), and its live
+        flag into sLivec.
 
         Piece sub + 4 i lands i column atoms after piece sub: two store addresses per key
         and immediates (ptxas kept one address per store across the loop and spilled)."""
         sub = loader % COPIERS
         key = loader // COPIERS + ROW_KEYS * k
         first = [sKc + f16_offset(key, 16 * sub + 8 * e) for e in range(2)]
-        keep = live[k] != 0
+        keep = live[k] != 0  # unless zero_dead_at_fetch
         for i in cutlass.range_constexpr(MINE):
             halves = []
             for e in cutlass.range_constexpr(4):
-                word = ptx.where_i32(keep, staged[4 * (MINE * k + i) + e], 0)
+                word = staged[4 * (MINE * k + i) + e]
+                if cutlass.const_expr(not self.zero_dead_at_fetch):
+                    word = ptx.where_i32(keep, word, 0)
                 halves.extend(ptx.e4m3x4_to_f16(word))
             for e in cutlass.range_constexpr(2):
                 dst = first[e] + i * ATOM_SPAN
