@@ -323,9 +323,10 @@ class WgmmaDecode(DecodeKernel):
                 if c >= WG_STAGES:  # chunk c - WG_STAGES has left the stage's tile
                     ptx.mbarrier_wait(consumed + 8 * stage, (c // WG_STAGES - 1) % 2)
                 # At split 1 (many chunks per CTA) key k of chunk c + 1 is fetched into key k's
-                # registers as soon as they are widened, so that its loads fly while the other
-                # keys are widened (B=64: -1.7 us); the other splits fetch after the arrive
-                # (interleaved, split 8 was 0.15 us slower at rank-full).
+                # registers as soon as they are widened, before the arrive (B=64: -1.7 us; ptxas
+                # issues those loads after most of the other key's stores, session 36); the
+                # other splits fetch after the arrive (interleaved, split 8 was 0.15 us slower
+                # at rank-full).
                 sKs, sLives = sK + stage * WG_F16_TILE, sLive + stage * (WG_KEYS * 4)
                 early = KEYS_EACH - 1 if self.split == 1 else 0  # keys fetched before the arrive
                 for k in cutlass.range_constexpr(early):
