@@ -546,7 +546,8 @@ class WgmmaDecode(DecodeKernel):
         sub = loader % COPIERS
         key = loader // COPIERS + ROW_KEYS * k
         first = [sKc + f16_offset(key, 16 * sub + 8 * e) for e in range(2)]
-        keep = live[k] != 0  # unless zero_dead_at_fetch
+        if cutlass.const_expr(not self.zero_dead_at_fetch):
+            keep = live[k] != 0
         for i in cutlass.range_constexpr(MINE):
             halves = []
             for e in cutlass.range_constexpr(4):
