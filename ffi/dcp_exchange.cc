@@ -4,8 +4,8 @@
 // group of D devices along the mesh axis): on each device's primary context it allocates a data
 // region (the mailbox proper, zeroed), enables peer access between all the group's devices and
 // writes the device's header: every rank's data region, this rank, the timeout, the error
-// record. The header, the host-mapped error record and the loaded merge kernel
-// (dcp_exchange.ptx, embedded; the driver compiles it) are made once per device and kept for
+// record. The header, the host-mapped error record and the loaded exchange kernels (the sm_90a
+// cubins of kernel/exchange, which dcp_setup passes in) are made once per device and kept for
 // the process: a later dcp_setup rewrites them in place, so kernel parameters captured into a
 // CUDA graph stay valid and the handlers can be command-buffer compatible. Nothing is allocated
 // in execute.
@@ -30,7 +30,6 @@
 #include "dcp_exchange.h"
 
 #include "cuda_driver.h"
-#include "dcp_exchange_ptx.h"  // kDcpExchangePtx, generated from dcp_exchange.ptx by CMake
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -38,7 +37,7 @@ using cudaStream_t = CUstream;
 
 namespace {
 
-// Header layout (bytes), shared with dcp_exchange.ptx and the decode kernels (config.py).
+// Header layout (bytes), shared with the exchange and decode kernels (kernel/exchange/config.py).
 constexpr int kMaxRanks = 16;          // u64 data[kMaxRanks] at 0: every rank's data region
 constexpr size_t kRankOffset = 128;    // u32 rank, has_last, last_step, error claimed
 constexpr size_t kTimeoutOffset = 144;  // u64 timeout_ns
@@ -54,7 +53,7 @@ constexpr int64_t kQueryRow = 576;  // bytes of an FP8 query head
 constexpr int64_t kMaxGridY = 65535;
 constexpr int64_t kHeadGrain = 16;  // the decode pads its heads to a multiple of 16
 
-// Error codes written by the kernels (dcp_exchange.ptx, the decode kernels).
+// Error codes written by the kernels (the exchange's and the decode's).
 constexpr uint32_t kTimeout = 1;
 constexpr uint32_t kParity = 2;
 constexpr uint32_t kRank = 3;
@@ -106,7 +105,8 @@ struct Mailbox {
   uint64_t capacity = 0;
   volatile uint32_t* host_error = nullptr;  // u32[4]: code, step, row, source; permanent
   CUdeviceptr device_error = 0;
-  CUmodule module = nullptr;
+  CUmodule gather_module = nullptr;
+  CUmodule merge_module = nullptr;
   CUfunction gather_queries = nullptr;
   CUfunction merge = nullptr;
   bool ready = false;  // the last setup of this device succeeded
@@ -150,9 +150,16 @@ std::string WithContext(const cu::Driver& d, CUcontext context, Body body) {
     return cu::Describe(d, call, result_);                                  \
   }
 
+// One of the exchange's cubins, as dcp_setup passes it (kernel/exchange/compile.py).
+struct Cubin {
+  const void* image;
+  const char* kernel_name;
+};
+
 // Makes the device's permanent parts once; (re)allocates and zeroes the data region. Waits for
 // the device to be idle first: an exchange must not be running while dcp_setup does.
-std::string Prepare(const cu::Driver& d, Mailbox& mailbox, uint64_t capacity) {
+std::string Prepare(const cu::Driver& d, Mailbox& mailbox, uint64_t capacity, Cubin gather,
+                    Cubin merge) {
   if (mailbox.context == nullptr) {
     RETURN_IF_FAILED("cuDeviceGet", d.DeviceGet(&mailbox.device, mailbox.ordinal));
     RETURN_IF_FAILED("cuDevicePrimaryCtxRetain",
@@ -169,12 +176,16 @@ std::string Prepare(const cu::Driver& d, Mailbox& mailbox, uint64_t capacity) {
       mailbox.host_error = static_cast<volatile uint32_t*>(host);
       RETURN_IF_FAILED("cuMemHostGetDevicePointer",
                        d.MemHostGetDevicePointer(&mailbox.device_error, host, 0));
-      RETURN_IF_FAILED("cuModuleLoadData (dcp_exchange.ptx)",
-                       d.ModuleLoadData(&mailbox.module, kDcpExchangePtx));
-      RETURN_IF_FAILED("cuModuleGetFunction(dcp_gather_q)",
-                       d.ModuleGetFunction(&mailbox.gather_queries, mailbox.module, "dcp_gather_q"));
-      RETURN_IF_FAILED("cuModuleGetFunction(dcp_merge)",
-                       d.ModuleGetFunction(&mailbox.merge, mailbox.module, "dcp_merge"));
+      RETURN_IF_FAILED("cuModuleLoadData (the query gather's cubin)",
+                       d.ModuleLoadData(&mailbox.gather_module, gather.image));
+      RETURN_IF_FAILED("cuModuleGetFunction (the query gather)",
+                       d.ModuleGetFunction(&mailbox.gather_queries, mailbox.gather_module,
+                                           gather.kernel_name));
+      RETURN_IF_FAILED("cuModuleLoadData (the merge's cubin)",
+                       d.ModuleLoadData(&mailbox.merge_module, merge.image));
+      RETURN_IF_FAILED("cuModuleGetFunction (the merge)",
+                       d.ModuleGetFunction(&mailbox.merge, mailbox.merge_module,
+                                           merge.kernel_name));
     }
     for (int i = 0; i < 4; ++i) mailbox.host_error[i] = 0;
     if (mailbox.data != 0 && mailbox.capacity != capacity) {
@@ -221,19 +232,25 @@ std::string Connect(const cu::Driver& d, Mailbox& mailbox, const std::vector<Mai
 
 #undef RETURN_IF_FAILED
 
-std::string Setup(const int32_t* ordinals, int32_t dcp_size, int64_t capacity,
-                  int64_t timeout_ns) {
+std::string Setup(const int32_t* ordinals, int32_t dcp_size, int64_t capacity, int64_t timeout_ns,
+                  Cubin gather, Cubin merge) {
   const cu::LoadedDriver& loaded = cu::GetDriver();
   if (!loaded.error.empty()) return loaded.error;
   const cu::Driver& d = loaded.driver;
-  if (dcp_size < 2 || dcp_size > kMaxRanks) {
-    return "the group must have 2 to " + std::to_string(kMaxRanks) + " devices, got " +
+  // A group of one exchanges with itself: not what dcp_decode does at D = 1 (a plain decode),
+  // but the whole exchange on one GPU, for tests.
+  if (dcp_size < 1 || dcp_size > kMaxRanks) {
+    return "the group must have 1 to " + std::to_string(kMaxRanks) + " devices, got " +
            std::to_string(dcp_size);
   }
   if (capacity < static_cast<int64_t>(kRegionAlign) || capacity > kMaxCapacity ||
       timeout_ns < 1) {
     return "capacity_bytes must be in [" + std::to_string(kRegionAlign) + ", " +
            std::to_string(kMaxCapacity) + "] and the timeout positive";
+  }
+  if (gather.image == nullptr || gather.kernel_name == nullptr || merge.image == nullptr ||
+      merge.kernel_name == nullptr) {
+    return "the exchange's cubins and kernel names are required";
   }
   std::lock_guard<std::mutex> lock(registry_mutex);
   // Setting a device up again resets its exchange (zeroed data region and error record); this
@@ -251,7 +268,9 @@ std::string Setup(const int32_t* ordinals, int32_t dcp_size, int64_t capacity,
   }
   std::string error;
   for (Mailbox* mailbox : group) {
-    if (error.empty()) error = Prepare(d, *mailbox, static_cast<uint64_t>(capacity));
+    if (error.empty()) {
+      error = Prepare(d, *mailbox, static_cast<uint64_t>(capacity), gather, merge);
+    }
   }
   for (Mailbox* mailbox : group) {
     if (error.empty()) error = Connect(d, *mailbox, group, static_cast<uint64_t>(timeout_ns));
@@ -447,12 +466,16 @@ ffi::ErrorOr<dcp::PushTarget> dcp::PushTargetFor(CUstream stream, int64_t dcp_si
                     static_cast<uint32_t>(layout.value().lse_offset)};
 }
 
-// Sets up one group (rank r is CUDA device ordinals[r]). Returns 0, or 1 with a NUL-terminated
-// reason in `message`.
+// Sets up one group (rank r is CUDA device ordinals[r]) with the exchange's kernels from two
+// cubin images (loaded on a device's first setup). Returns 0, or 1 with a NUL-terminated reason
+// in `message`.
 JAX_SPARSE_MLA_EXPORT int JaxSparseMlaDcpSetup(const int32_t* ordinals, int32_t dcp_size,
                                                int64_t capacity_bytes, int64_t timeout_ns,
+                                               const void* gather_cubin, const char* gather_name,
+                                               const void* merge_cubin, const char* merge_name,
                                                char* message, int64_t message_bytes) {
-  std::string error = Setup(ordinals, dcp_size, capacity_bytes, timeout_ns);
+  std::string error = Setup(ordinals, dcp_size, capacity_bytes, timeout_ns,
+                            Cubin{gather_cubin, gather_name}, Cubin{merge_cubin, merge_name});
   if (error.empty()) return 0;
   if (message_bytes > 0) {
     std::strncpy(message, error.c_str(), static_cast<size_t>(message_bytes - 1));

@@ -411,7 +411,7 @@ ffi::Error ExecutePush(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8
   const int64_t batch = q.dimensions()[0];
   const int64_t heads = q.dimensions()[1];
   const int64_t gathered = dcp_size.value() * heads_own.value();
-  if (dcp_size.value() < 2 || heads_own.value() < 1 ||
+  if (dcp_size.value() < 1 || heads_own.value() < 1 ||
       (gathered + kHeadGrain - 1) / kHeadGrain * kHeadGrain != heads) {
     return InvalidShape("decode_push: D=" + std::to_string(dcp_size.value()) + " ranks of " +
                         std::to_string(heads_own.value()) + " heads do not pad to q's " +

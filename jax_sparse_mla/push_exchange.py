@@ -39,7 +39,10 @@ from jax.extend import core
 from jax.interpreters import mlir
 
 from jax_sparse_mla import cuda_lowering
+from jax_sparse_mla.kernel.compile import KernelUnavailableError
 from jax_sparse_mla.kernel.config import KernelConfig
+from jax_sparse_mla.kernel.exchange.compile import get_kernel as get_exchange_kernel
+from jax_sparse_mla.kernel.exchange.config import EXCHANGE_KERNELS
 from jax_sparse_mla.validation import HEAD_TILE, LATENT
 
 __all__ = [
@@ -85,6 +88,10 @@ def _load_library() -> ctypes.CDLL:
                 ctypes.c_int32,
                 ctypes.c_int64,
                 ctypes.c_int64,
+                ctypes.c_char_p,  # the query gather's cubin
+                ctypes.c_char_p,  # its kernel name
+                ctypes.c_char_p,  # the merge's cubin
+                ctypes.c_char_p,  # its kernel name
                 ctypes.c_char_p,
                 ctypes.c_int64,
             ]
@@ -130,17 +137,17 @@ def dcp_setup(
 
     For each group of devices along ``axis_name`` it allocates one mailbox of
     ``capacity_bytes`` per device, zeroes it, enables peer access within the group and loads
-    the exchange kernels. Calling it again resets the exchange (zeroed mailboxes, cleared
-    error records, the new capacity and timeout); do so only while no exchange is running.
-    Programs compiled before stay valid (their kernels find the mailboxes through a per-device
-    header that lives as long as the process).
+    the exchange kernels (the package's cubins, as for ``decode``). Calling it again resets the
+    exchange (zeroed mailboxes, cleared error records, the new capacity and timeout); do so only
+    while no exchange is running. Programs compiled before stay valid (their kernels find the
+    mailboxes through a per-device header that lives as long as the process).
 
     Returns True when mailboxes were set up, False when there is nothing to set up: the mesh
     is not on CUDA GPUs (there ``exchange="push"`` runs as collectives) or the axis has one
     device (``dcp_decode`` is then a plain decode). Raises ValueError for an axis not in the
     mesh or bad sizes, NotImplementedError for devices of other processes
     (multi-process needs CUDA IPC handles; not built), RuntimeError when the driver refuses
-    (e.g. no peer access between two devices).
+    (e.g. no peer access between two devices) or no cubin of the exchange's kernels is found.
     """
     groups = _groups(mesh, axis_name)
     if not isinstance(capacity_bytes, int) or not 4096 <= capacity_bytes <= MAX_CAPACITY_BYTES:
@@ -159,20 +166,41 @@ def dcp_setup(
             "dcp_setup: the push exchange drives the GPUs of one process; this mesh spans "
             "several processes (use exchange='collectives')"
         )
-    library = _load_library()
     for group in groups:
-        ordinals = [d.local_hardware_id for d in group]
-        array = (ctypes.c_int32 * len(ordinals))(*ordinals)
-        message = ctypes.create_string_buffer(1024)
-        status = library.JaxSparseMlaDcpSetup(
-            array, len(ordinals), capacity_bytes, int(timeout_s * 1e9), message, len(message)
-        )
-        if status != 0:
-            raise RuntimeError(
-                f"jax_sparse_mla.dcp_setup on CUDA devices {ordinals}: {message.value.decode()}"
-            )
-        _ready_ordinals.update(ordinals)
+        setup_group([d.local_hardware_id for d in group], capacity_bytes, timeout_s)
     return True
+
+
+def setup_group(ordinals: Sequence[int], capacity_bytes: int, timeout_s: float) -> None:
+    """Sets up the exchange of one group of CUDA devices (rank r on ``ordinals[r]``; sizes
+    checked by ``dcp_setup``). A group of one device exchanges with itself: ``dcp_decode``
+    never does (at D = 1 it is a plain decode), the one-GPU tests of the whole exchange do."""
+    library = _load_library()
+    try:
+        gather, merge = (get_exchange_kernel(kernel) for kernel in EXCHANGE_KERNELS)
+    except (KernelUnavailableError, ImportError) as err:
+        raise RuntimeError(
+            f"jax_sparse_mla.dcp_setup: no cubin of the exchange's kernels: {err}"
+        ) from err
+    array = (ctypes.c_int32 * len(ordinals))(*ordinals)
+    message = ctypes.create_string_buffer(1024)
+    status = library.JaxSparseMlaDcpSetup(
+        array,
+        len(ordinals),
+        capacity_bytes,
+        int(timeout_s * 1e9),
+        gather.cubin,
+        gather.meta["kernel_name"].encode(),
+        merge.cubin,
+        merge.meta["kernel_name"].encode(),
+        message,
+        len(message),
+    )
+    if status != 0:
+        raise RuntimeError(
+            f"jax_sparse_mla.dcp_setup on CUDA devices {list(ordinals)}: {message.value.decode()}"
+        )
+    _ready_ordinals.update(ordinals)
 
 
 def dcp_check() -> None:

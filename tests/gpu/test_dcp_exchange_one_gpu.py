@@ -10,9 +10,10 @@ timeout: NaN rows and the error record). So the kernels, their flag protocol (sl
 parity, flag = (step & 0x7fffffff) + 1) and their timeouts are tested without the two-GPU
 machine that test_dcp_push_gpu.py needs.
 
-Each test runs the CuTe DSL cubins (``kernel/exchange``) and, while it exists, the PTX they
-replace (``ffi/dcp_exchange.ptx``); the DSL merge must equal the PTX one bit for bit.
+The kernels are the CuTe DSL cubins the FFI loads (``kernel/exchange``; until session 38 they
+were tested here against the hand-written PTX they replaced, bit for bit).
 Layouts as in ffi/dcp_exchange.cc (MakeLayout) and kernel/exchange/config.py.
+test_push_exchange_one_gpu.py runs the same kernels through XLA and the FFI.
 """
 
 from __future__ import annotations
@@ -43,12 +44,10 @@ from jax_sparse_mla.kernel.exchange.config import (
 
 pytestmark = pytest.mark.gpu
 
-PTX = pathlib.Path(__file__).resolve().parents[2] / "ffi" / "dcp_exchange.ptx"
 CHUNK_HEADS = 8  # dcp_exchange.cc's kChunkHeads: heads per merge CTA
 REGION_ALIGN = 256
 HEADER_BYTES = 256
 ERROR_OFFSET = 152  # u64 the error record's address (dcp_exchange.cc's kErrorOffset)
-IMPLEMENTATIONS = ["dsl", "ptx"] if PTX.exists() else ["dsl"]
 
 
 def align(value: int) -> int:
@@ -71,28 +70,23 @@ def layout(dcp: int, batch: int, heads: int, flags_per_row: int) -> dict:
 
 
 class Device:
-    """The exchange's two kernels from the DSL cubins or the PTX, and device memory."""
+    """The exchange's two kernels (the DSL cubins) and device memory."""
 
-    def __init__(self, implementation: str):
+    def __init__(self):
         from cubin_launch import Context, check
         from cuda.bindings import driver as cu
+
+        from jax_sparse_mla.kernel.exchange.compile import get_kernel
 
         self.cu, self.check = cu, check
         self.context = Context()
         self.streams = [self.context.stream]
-        if implementation == "ptx":
-            module = check(cu.cuModuleLoadData(PTX.read_bytes() + b"\0"))
-            names = {"merge": b"dcp_merge", "gather": b"dcp_gather_q"}
-            self.functions = {k: check(cu.cuModuleGetFunction(module, n)) for k, n in names.items()}
-        else:
-            from jax_sparse_mla.kernel.exchange.compile import get_kernel
-
-            self.functions = {}
-            for stage in ("merge", "gather"):
-                compiled = get_kernel(ExchangeKernel(stage))
-                module = check(cu.cuModuleLoadData(compiled.cubin))
-                name = compiled.meta["kernel_name"].encode()
-                self.functions[stage] = check(cu.cuModuleGetFunction(module, name))
+        self.functions = {}
+        for stage in ("merge", "gather"):
+            compiled = get_kernel(ExchangeKernel(stage))
+            module = check(cu.cuModuleLoadData(compiled.cubin))
+            name = compiled.meta["kernel_name"].encode()
+            self.functions[stage] = check(cu.cuModuleGetFunction(module, name))
 
     def stream(self, i: int):
         while len(self.streams) <= i:
@@ -124,9 +118,9 @@ class Device:
             self.check(self.cu.cuStreamSynchronize(s))
 
 
-@pytest.fixture(scope="module", params=IMPLEMENTATIONS)
-def device(request):
-    return Device(request.param)
+@pytest.fixture(scope="module")
+def device():
+    return Device()
 
 
 def mailboxes(device, dcp, places, timeout_ns):
@@ -240,25 +234,6 @@ def test_merge_matches_numpy(device, dcp, rank, batch, heads, tile, split, step)
     assert (rows[batch - 1, heads - 1] == 0).all()  # a head without keys: zeros and -inf
     assert record[0] == 0
     assert words[HAS_LAST_OFFSET // 4] == 1 and words[LAST_STEP_OFFSET // 4] == step % 2**32
-
-
-@pytest.mark.skipif("ptx" not in IMPLEMENTATIONS, reason="the PTX merge is gone")
-def test_dsl_merge_equals_the_ptx_bit_for_bit():
-    results = {}
-    for implementation in ("dsl", "ptx"):
-        device = Device(implementation)
-        for case in MERGE_CASES:
-            dcp, rank, batch, heads, tile, split, step = case
-            latents, lses = partials(np.random.default_rng(1), dcp, batch, heads)
-            flagged = [(s, b) for s in range(dcp) for b in range(batch)]
-            _, lse, bits, _, _ = run_merge(
-                device, dcp=dcp, rank=rank, batch=batch, heads=heads, tile=tile, split=split,
-                step=step, latents=latents, lses=lses, flagged=flagged,
-            )  # fmt: skip
-            results.setdefault(case, []).append((bits, lse.view(np.uint32)))
-    for case, ((dsl_bits, dsl_lse), (ptx_bits, ptx_lse)) in results.items():
-        assert np.array_equal(dsl_bits, ptx_bits), case
-        assert np.array_equal(dsl_lse, ptx_lse), case
 
 
 def test_merge_times_out_to_nan_rows(device):

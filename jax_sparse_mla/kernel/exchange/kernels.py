@@ -125,8 +125,14 @@ class DcpMerge:
             late = xptx.poll_flag_sys(data + Int64(at) * 4, flag, timeout)
         if xptx.sync_threads_or(late) == 0:
             partials = (data, latent_offset, lse_offset, slot * dcp, batch, heads, dcp)
-            for h in cutlass.range(h0 + tid // ROW_UNITS, h_end, HEADS_PER_PASS, unroll=1):
-                self.merge_head(mLatent, mLse, partials, b, h, tid % ROW_UNITS)
+            # The loops over the sources unrolled, so that their loads overlap: by 4 where D
+            # is a multiple of 4, else by 2 (D = 2 through a by-4 loop's remainder is slower).
+            if dcp % 4 == 0:
+                for h in cutlass.range(h0 + tid // ROW_UNITS, h_end, HEADS_PER_PASS, unroll=1):
+                    self.merge_head(mLatent, mLse, partials, b, h, tid % ROW_UNITS, 4)
+            else:
+                for h in cutlass.range(h0 + tid // ROW_UNITS, h_end, HEADS_PER_PASS, unroll=1):
+                    self.merge_head(mLatent, mLse, partials, b, h, tid % ROW_UNITS, 2)
             if (tid | b | s) == 0:
                 xptx.store_global_u32(header + LAST_STEP_OFFSET, step)
                 xptx.store_global_u32(header + HAS_LAST_OFFSET, 1)
@@ -141,20 +147,21 @@ class DcpMerge:
                 xptx.record_error(header, mError.toint(), TIMEOUT_PARTIALS, step, b, source)
 
     @cute.jit
-    def merge_head(self, mLatent, mLse, partials, b, h, unit):
+    def merge_head(self, mLatent, mLse, partials, b, h, unit, unroll: cutlass.Constexpr[int]):
         """Head h of row b, 16-byte unit ``unit`` of its row (and its LSE, unit 0): the
-        sources' partials weighted by exp(lse - top), top the largest LSE (0 if all -inf)."""
+        sources' partials weighted by exp(lse - top), top the largest LSE (0 if all -inf);
+        the loops over the sources unrolled by ``unroll``."""
         data, latent_offset, lse_offset, first_source, batch, heads, dcp = partials
         neg_inf = Float32(-math.inf)
         top = neg_inf
-        for k in cutlass.range(dcp, unroll=1):
+        for k in cutlass.range(dcp, unroll=unroll):
             at = ((first_source + k) * batch + b) * heads + h
             top = xptx.max_nan(top, xptx.load_global_cg_f32(data + lse_offset + Int64(at) * 4))
         top = ptx.where(top == neg_inf, 0.0, top)
         total = Float32(0.0)
         acc = cute.make_rmem_tensor((8,), Float32)
         acc.fill(0.0)
-        for k in cutlass.range(dcp, unroll=1):
+        for k in cutlass.range(dcp, unroll=unroll):
             at = ((first_source + k) * batch + b) * heads + h
             lse = xptx.load_global_cg_f32(data + lse_offset + Int64(at) * 4)
             weight = xptx.exp2_approx(xptx.scaled_difference(lse, top, LOG2_E))

@@ -1,0 +1,144 @@
+"""The push exchange through XLA and the FFI on ONE GPU: a group of one device exchanging with
+itself.
+
+``dcp_decode`` never runs this (at D = 1 it is a plain decode), but it is every part of the
+exchange that is not NVLink: ``dcp_setup``'s loads of the exchange's cubins into the device's
+context, the three custom calls' handlers with their parameters and mailbox layout, the slots
+by step parity, the flags, the refusal of a repeated parity, the timeout, the error records and
+the reset. The kernels' protocol between several ranks is tested on one GPU by
+test_dcp_exchange_one_gpu.py (D ranks on D streams), across GPUs by test_dcp_push_gpu.py.
+
+One rank's partial merged with itself has weight exp2(0) = 1, so the merged rows must be the
+plain decode's of the same config; the LSE goes through the merge's log2 domain and back
+(within LSE_RTOL). Every step has new queries, so a stale slot would not match.
+
+    python -m pytest -s -m gpu tests/gpu/test_push_exchange_one_gpu.py
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import jax_sparse_mla
+from jax_sparse_mla import push_exchange
+from jax_sparse_mla.kernel.config import ALL_CONFIGS
+from jax_sparse_mla.ops import kernel_operands
+
+pytestmark = pytest.mark.gpu
+SOFTMAX_SCALE = 576**-0.5
+LSE_RTOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    gpus = [d for d in jax.devices() if d.platform == "gpu"]
+    if not gpus or gpus[0].compute_capability != "9.0":
+        pytest.skip(f"needs a Hopper GPU, jax sees {jax.devices()}")
+    return gpus[0]
+
+
+def setup_loopback(gpu, timeout_s=push_exchange.DEFAULT_TIMEOUT_S):
+    push_exchange.setup_group([gpu.local_hardware_id], 8 << 20, timeout_s)
+
+
+@pytest.fixture(autouse=True)
+def fresh_exchange(gpu):
+    """Every test starts from zeroed mailboxes and cleared error records."""
+    setup_loopback(gpu)
+
+
+def pushed(q, kv, rows, valid, step, *, config):
+    """The whole push exchange of one rank of D = 1, as ``dcp_decode``'s push path runs it."""
+    _, (_, kv, rows, valid, scales) = kernel_operands(
+        q, kv, rows, valid, softmax_scale=SOFTMAX_SCALE, q_scale=1.0, kv_scale=1.25,
+        implementation="cute", kernel_config=config, valid_hint=None,
+    )  # fmt: skip
+    return push_exchange.decode_and_exchange(
+        q, kv, rows, valid, scales, rank=jnp.int32(0), step=step, dcp_size=1,
+        valid_hint=None, kernel_config=config,
+    )  # fmt: skip
+
+
+def plain(q, kv, rows, valid, *, config):
+    return jax_sparse_mla.decode(
+        q, kv, rows, valid, softmax_scale=SOFTMAX_SCALE, kv_scale=1.25,
+        implementation="cute", kernel_config=config,
+    )  # fmt: skip
+
+
+def inputs(seed, steps, batch, heads, width, n_rows=700):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.uniform(-2, 2, (steps, batch, heads, 576)), jnp.float8_e4m3fn)
+    kv = jnp.asarray(rng.uniform(-2, 2, (n_rows, 576)), jnp.float8_e4m3fn)
+    rows = jnp.asarray(rng.integers(-3, n_rows + 3, (batch, width)), jnp.int32)
+    valid = rng.integers(-1, width + 2, (batch,))
+    valid[0] = 0  # a row without keys: zeros and lse -inf
+    return q, kv, rows, jnp.asarray(valid, jnp.int32)
+
+
+def assert_same(got, want, what):
+    (latent, lse), (want_latent, want_lse) = got, want
+    assert np.array_equal(np.asarray(latent), np.asarray(want_latent)), what
+    lse, want_lse = np.asarray(lse), np.asarray(want_lse)
+    assert np.array_equal(np.isneginf(lse), np.isneginf(want_lse)), what
+    finite = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[finite], want_lse[finite], rtol=LSE_RTOL, err_msg=what)
+
+
+@pytest.mark.parametrize("config", ALL_CONFIGS, ids=lambda c: c.slug)
+def test_loopback_equals_the_plain_decode(config):
+    """Alternating steps (negative and wrapping ones too) through the jitted exchange: each
+    step's merged rows are the plain decode's, bit for bit; no error recorded."""
+    steps = (6, 7, 2**31 - 2, 2**31 - 1, -(2**31))  # int32 wraps around: the parity alternates
+    q, kv, rows, valid = inputs(1, len(steps), 3, 20, 150)  # 20 heads: the gather pads to 32
+    step_fn = jax.jit(functools.partial(pushed, config=config))
+    plain_fn = jax.jit(functools.partial(plain, config=config))
+    for i, step in enumerate(steps):
+        got = step_fn(q[i], kv, rows, valid, jnp.int32(step))
+        assert_same(got, plain_fn(q[i], kv, rows, valid), (config, step))
+    jax_sparse_mla.dcp_check()
+
+
+def test_loopback_in_a_scan():
+    """64 exchanges in one lax.scan (the decode loop's shape; XLA may capture the loop's body
+    in a CUDA graph): every step's rows equal the plain decode's of its queries."""
+    steps = 64
+    q, kv, rows, valid = inputs(2, steps, 5, 96, 256)
+
+    def loop(q, kv, rows, valid):
+        def body(step, q_step):
+            return step + 1, pushed(q_step, kv, rows, valid, step, config=None)
+
+        return lax.scan(body, jnp.int32(11), q)[1]
+
+    latent, lse = jax.jit(loop)(q, kv, rows, valid)
+    plain_fn = jax.jit(functools.partial(plain, config=None))
+    for i in range(steps):
+        assert_same((latent[i], lse[i]), plain_fn(q[i], kv, rows, valid), i)
+    jax_sparse_mla.dcp_check()
+
+
+def test_repeated_parity_times_out_and_resets(gpu):
+    """The same parity twice: the decode pushes nothing, the merge waits out its timeout, the
+    rows are NaN, dcp_check names the parity, the next call refuses; dcp_setup resets it."""
+    setup_loopback(gpu, timeout_s=0.2)
+    q, kv, rows, valid = inputs(3, 2, 5, 48, 256)
+    step_fn = jax.jit(functools.partial(pushed, config=None))
+    want = jax.jit(functools.partial(plain, config=None))(q[1], kv, rows, valid)
+    jax.block_until_ready(step_fn(q[0], kv, rows, valid, jnp.int32(4)))
+    latent, lse = jax.block_until_ready(step_fn(q[1], kv, rows, valid, jnp.int32(6)))
+    assert np.isnan(np.asarray(latent.astype(jnp.float32))).all()
+    assert np.isnan(np.asarray(lse)).all()
+    with pytest.raises(RuntimeError, match="previous exchange's parity"):
+        jax_sparse_mla.dcp_check()
+    with pytest.raises(Exception, match="dcp_setup again"):
+        jax.block_until_ready(step_fn(q[1], kv, rows, valid, jnp.int32(7)))
+    setup_loopback(gpu)
+    assert_same(step_fn(q[1], kv, rows, valid, jnp.int32(7)), want, "after the reset")
+    jax_sparse_mla.dcp_check()
