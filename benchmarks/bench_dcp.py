@@ -3,6 +3,7 @@
     python benchmarks/bench_dcp.py                 # 2 GPUs (device kind nvidia-h200-x2)
     python benchmarks/bench_dcp.py --dcp 2 --steps 64 --calls 5 --exchanges push
     python benchmarks/bench_dcp.py --unroll --steps 32   # no while loop: kernels back to back
+    python benchmarks/bench_dcp.py --loopback       # ONE GPU: the push exchange with itself
 
 Per case (DESIGN.md's shapes per rank: B = 5 rows, the gathered heads H split over the D
 ranks, `keys` local keys per row on every rank, N = 131072 local cache rows), one jitted
@@ -17,6 +18,12 @@ summed duration per step (NCCL kernels include their wait for the other ranks, t
 exchange's merge its wait for the peers' flags). The kernel path is implementation="cute": no
 fallback to the reference; the push exchange's custom calls are checked in the lowered program
 and its error records (dcp_check) after the run.
+
+--loopback runs the push exchange's three kernels (query gather, pushing decode, merge) on
+one GPU set up as a group of one that exchanges with itself, at the cases' shapes with D = 1
+(all the heads, all the keys on the one GPU). It is not a DCP step (dcp_decode at D = 1 is a
+plain decode; nothing crosses NVLink and no peer is waited for): it times the exchange's own
+kernels and launches where no multi-GPU machine is available.
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from gpu_profile import Events, record, split_at_gaps
 
 import jax_sparse_mla
+from jax_sparse_mla import push_exchange
+from jax_sparse_mla.ops import kernel_operands
 
 AXIS = "dcp"
 CALL_GAP_NS = 10_000_000  # an idle GPU this long separates two calls (the host sleeps 5x it)
@@ -51,6 +60,9 @@ CASES = {  # name -> (rows B, gathered heads H, local keys per row)
 
 
 def make_step(mesh: Mesh, dcp: int, exchange: str, unroll: bool):
+    if exchange == "loopback":
+        return make_loop(loopback_step, unroll)
+
     def per_rank(q, kv, tokens, t):
         rows, valid = jax_sparse_mla.local_rows(tokens, rank=lax.axis_index(AXIS), dcp_size=dcp)
         return jax_sparse_mla.dcp_decode(
@@ -71,7 +83,23 @@ def make_step(mesh: Mesh, dcp: int, exchange: str, unroll: bool):
         in_specs=(P(None, AXIS), P(AXIS), P(), P()),
         out_specs=(P(None, AXIS), P(None, AXIS)),
     )
+    return make_loop(step, unroll)
 
+
+def loopback_step(q, kv, tokens, t):
+    """dcp_decode's push path for a group of one GPU (see --loopback)."""
+    rows, valid = jax_sparse_mla.local_rows(tokens, rank=0, dcp_size=1)
+    _, (_, kv, rows, valid, scales) = kernel_operands(
+        q, kv, rows, valid, softmax_scale=192**-0.5, q_scale=1.0, kv_scale=1.0,
+        implementation="cute", kernel_config=None, valid_hint=None,
+    )  # fmt: skip
+    return push_exchange.decode_and_exchange(
+        q, kv, rows, valid, scales, rank=jnp.int32(0), step=t, dcp_size=1, valid_hint=None,
+        kernel_config=None,
+    )  # fmt: skip
+
+
+def make_loop(step, unroll: bool):
     def loop(q, kv, tokens, first_step, steps):
         def body(carry, t):
             # A new query each step from one small elementwise fusion. (Scanning over a
@@ -123,12 +151,13 @@ def inputs(mesh: Mesh, dcp: int, batch: int, heads: int, keys: int):
 
 def category(name: str) -> str:
     lower = name.lower()
+    for kernel in ("dcpgather", "dcpmerge"):  # the exchange's cubins (entries name the class)
+        if kernel in lower:
+            return f"push exchange: {kernel[3:]} (incl. wait)"
     if "nccl" in lower:
         return "nccl " + ("all-gather" if "allgather" in lower else "all-to-all / send-recv")
     if "jax_sparse_mla" in lower:  # both variants' entries (SparseDecode, WgmmaDecode)
         return "decode kernel (with push: stores into the owners' mailboxes)"
-    if lower in ("dcp_gather_q", "dcp_merge"):
-        return f"push exchange: {lower} (incl. wait)"
     return "XLA fusions and copies"
 
 
@@ -196,6 +225,11 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--dcp", type=int, default=2, help="GPUs (ranks), default 2")
+    parser.add_argument(
+        "--loopback",
+        action="store_true",
+        help="one GPU: the push exchange's kernels with itself (not a DCP step; see above)",
+    )
     parser.add_argument("--steps", type=int, default=64, help="decode steps per call")
     parser.add_argument(
         "--unroll", action="store_true", help="unroll the scan (no while loop between steps)"
@@ -214,11 +248,15 @@ def main() -> None:
         "--keep-traces", action="store_true", help="also copy each profile to --out"
     )
     args = parser.parse_args()
+    if args.loopback:
+        args.dcp, args.exchanges = 1, ["loopback"]
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
     if len(gpus) < args.dcp:
         raise SystemExit(f"needs {args.dcp} GPUs, jax sees {jax.devices()}")
     mesh = Mesh(np.array(gpus[: args.dcp]), (AXIS,))
-    if "push" in args.exchanges and not jax_sparse_mla.dcp_setup(
+    if args.loopback:
+        push_exchange.setup_group([gpus[0].local_hardware_id], 64 << 20, args.timeout_s)
+    elif "push" in args.exchanges and not jax_sparse_mla.dcp_setup(
         mesh, AXIS, timeout_s=args.timeout_s
     ):
         raise SystemExit("dcp_setup found no CUDA mesh: the push exchange would not run")
@@ -236,7 +274,7 @@ def main() -> None:
             )
             fn = make_step(mesh, args.dcp, exchange, args.unroll)
             compiled = fn.lower(*data, jnp.int32(0), args.steps).compile()
-            if exchange == "push" and "jax_sparse_mla_decode_push" not in compiled.as_text():
+            if exchange != "collectives" and "jax_sparse_mla_decode_push" not in compiled.as_text():
                 raise SystemExit("the push exchange's custom call is not in the program")
             if args.out:
                 with open(os.path.join(args.out, f"hlo-{name}-{exchange}.txt"), "w") as f:
