@@ -46,7 +46,7 @@ constexpr size_t kHeaderBytes = 256;
 // The decode kernels take the offsets as 32-bit parameters.
 constexpr int64_t kMaxCapacity = INT32_MAX;
 constexpr size_t kRegionAlign = 256;
-constexpr unsigned int kChunkHeads = 8;  // heads per merge CTA
+constexpr unsigned int kChunkHeads = 4;  // heads per merge CTA: one per 64 threads, one pass
 constexpr unsigned int kThreads = 256;
 constexpr int64_t kLatent = 512;
 constexpr int64_t kQueryRow = 576;  // bytes of an FP8 query head

@@ -44,7 +44,7 @@ from jax_sparse_mla.kernel.exchange.config import (
 
 pytestmark = pytest.mark.gpu
 
-CHUNK_HEADS = 8  # dcp_exchange.cc's kChunkHeads: heads per merge CTA
+CHUNK_HEADS = 4  # dcp_exchange.cc's kChunkHeads: heads per merge CTA
 REGION_ALIGN = 256
 HEADER_BYTES = 256
 ERROR_OFFSET = 152  # u64 the error record's address (dcp_exchange.cc's kErrorOffset)

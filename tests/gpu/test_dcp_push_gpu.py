@@ -4,7 +4,8 @@ Needs two Hopper GPUs (the device tool's nvidia-h200-x2); skipped with fewer. Ev
 computes both exchanges in one step from the same kernel config (the push decode writes its
 partials into the owners' mailboxes, the plain one into buffers: the same bits), so the push
 merge is checked against the collectives' merge. They differ only by the GPU's exp2 / lg2
-approximations (relative error about 2^-22 per weight) against XLA's exp / log, so a merged
+approximations (relative error about 2^-22 per weight) against XLA's exp / log and the push
+merge's reciprocal of the weights' sum (one more f32 rounding), so a merged
 element may differ by one bf16 rounding (2^-7 of its value) plus 2^-19 of the largest |V|
 (the partials are convex combinations of V rows; this covers cancellation between partials),
 and LSEs by 1e-5 relative. A slot read before its push completed, or a stale slot (the query

@@ -175,10 +175,12 @@ class DcpMerge:
         # A head with no keys anywhere (total 0): zeros and -inf.
         empty = total == 0.0
         divisor = ptx.where(empty, 1.0, total)
+        # One division per thread, not eight (a second rounding, within the merge's bound).
+        inverse = xptx.div_rn(Float32(1.0), divisor)
         words = []
         for e in cutlass.range_constexpr(4):
-            low = ptx.where(empty, 0.0, xptx.div_rn(acc[2 * e], divisor))
-            high = ptx.where(empty, 0.0, xptx.div_rn(acc[2 * e + 1], divisor))
+            low = ptx.where(empty, 0.0, acc[2 * e] * inverse)
+            high = ptx.where(empty, 0.0, acc[2 * e + 1] * inverse)
             words.append(ptx.bf16x2(low, high))
         row_out = mLatent.toint() + Int64(b * heads + h) * (ROW_UNITS * 16) + unit * 16
         ptx.store_global_v4(row_out, words)
