@@ -238,7 +238,7 @@ std::string Setup(const int32_t* ordinals, int32_t dcp_size, int64_t capacity, i
   if (!loaded.error.empty()) return loaded.error;
   const cu::Driver& d = loaded.driver;
   // A group of one exchanges with itself: not what dcp_decode does at D = 1 (a plain decode),
-  // but the whole exchange on one GPU, for tests.
+  // but the whole exchange on one GPU, for tests and bench_dcp.py --loopback.
   if (dcp_size < 1 || dcp_size > kMaxRanks) {
     return "the group must have 1 to " + std::to_string(kMaxRanks) + " devices, got " +
            std::to_string(dcp_size);

@@ -174,7 +174,8 @@ def dcp_setup(
 def setup_group(ordinals: Sequence[int], capacity_bytes: int, timeout_s: float) -> None:
     """Sets up the exchange of one group of CUDA devices (rank r on ``ordinals[r]``; sizes
     checked by ``dcp_setup``). A group of one device exchanges with itself: ``dcp_decode``
-    never does (at D = 1 it is a plain decode), the one-GPU tests of the whole exchange do."""
+    never does (at D = 1 it is a plain decode); the one-GPU tests of the whole exchange and
+    ``bench_dcp.py --loopback`` do."""
     library = _load_library()
     try:
         gather, merge = (get_exchange_kernel(kernel) for kernel in EXCHANGE_KERNELS)
