@@ -224,23 +224,23 @@ class DecodeKernel:
     def finish_push(self, dest: Destination, x, tile, tile_heads: int, tid):
         """With an exchange, after every result store of the CTA: one system-scope release of
         this CTA's flag (value step + 1, index [slot, rank, b, x]) in the mailbox of each
-        owner of the tile's heads; the owners' merge acquires them. A refused call releases
-        nothing (the owners time out) and records why."""
+        owner of the tile's heads, thread i for the tile's i-th owner (the releases at once,
+        not one after another; each covers the CTA's stores: release is cumulative); the
+        owners' merge acquires them. A refused call releases nothing (the owners time out)
+        and records why."""
         if dest.push:
             cute.arch.sync_threads()  # every thread's stores (bulk copies waited for)
-            if tid == 0:
-                if dest.ok:
-                    width, _, _ = cute.arch.grid_dim()
-                    flag_at = (Int64(dest.row_index) * Int32(width) + x) * 4
-                    first = tile * tile_heads
-                    end = min(first + tile_heads, dest.dcp * dest.heads_own)
-                    last_owner = (end - 1) // dest.heads_own
-                    for owner in cutlass.range(first // dest.heads_own, last_owner + 1, unroll=1):
-                        region = ptx.load_global_u64_if(dest.push, dest.header + Int64(owner) * 8)
-                        ptx.release_flag_sys(region + flag_at, dest.flag)
-                else:
-                    if (x == 0) & (dest.b == 0):
-                        ptx.record_refusal(dest.header, dest.error, dest.step, dest.rank)
+            if dest.ok:
+                width, _, _ = cute.arch.grid_dim()
+                flag_at = (Int64(dest.row_index) * Int32(width) + x) * 4
+                first = tile * tile_heads
+                end = min(first + tile_heads, dest.dcp * dest.heads_own)
+                owner = first // dest.heads_own + tid
+                if owner <= (end - 1) // dest.heads_own:
+                    region = ptx.load_global_u64_if(dest.push, dest.header + Int64(owner) * 8)
+                    ptx.release_flag_sys(region + flag_at, dest.flag)
+            elif (tid == 0) & (x == 0) & (dest.b == 0):
+                ptx.record_refusal(dest.header, dest.error, dest.step, dest.rank)
 
     @cute.jit
     def merge_sources(self, sOutbox, sInbox, sStats, tile_heads: int, head, part, columns):

@@ -283,8 +283,11 @@ def run_gather(device, *, dcp, batch, heads, padded, step, arriving, timeout_ns=
     return queries, got, records
 
 
+# D = 3 and 8 run the gather's unrolled peer loops with a remainder (by 2) and without one
+# (by 4); 8 ranks of 16 heads are DCP8's per-rank share of 128.
 @pytest.mark.parametrize(
-    "dcp, batch, heads, padded, step", [(2, 3, 16, 48, 3), (4, 2, 24, 96, 2**31 + 1)]
+    "dcp, batch, heads, padded, step",
+    [(2, 3, 16, 48, 3), (3, 2, 16, 48, 6), (4, 2, 24, 96, 2**31 + 1), (8, 5, 16, 128, 7)],
 )
 def test_gather_gives_every_rank_every_head(device, dcp, batch, heads, padded, step):
     queries, got, records = run_gather(
@@ -312,23 +315,42 @@ def test_gather_times_out_to_nan_heads(device):
     assert records[0].tolist() == [4, step, 0, 1]
 
 
+def test_gather_times_out_when_one_of_eight_is_missing(device):
+    """Rank 5 of 8 never runs: every other rank gives up on row 0 after the timeout, its own
+    heads in place and every peer's NaN (one late rank fails the whole row), and records
+    (4, step, row 0, source 5)."""
+    dcp, batch, heads, padded, step = 8, 1, 16, 128, 4
+    arriving = [r for r in range(dcp) if r != 5]
+    queries, got, records = run_gather(
+        device, dcp=dcp, batch=batch, heads=heads, padded=padded, step=step, arriving=arriving,
+        timeout_ns=2_000_000,
+    )  # fmt: skip
+    for r in arriving:
+        heads_of = got[r][:, : dcp * heads].reshape(batch, dcp, heads, QUERY_ROW)
+        assert np.array_equal(heads_of[:, r], queries[r]), r
+        assert (np.delete(heads_of, r, axis=1) == 0x7F).all(), r
+        assert records[r].tolist() == [4, step, 0, 5], r
+
+
 # ---- the whole push step: gather, pushing decode, merge -----------------------------------
 
 
+@pytest.mark.parametrize("dcp", [2, 4])
 @pytest.mark.parametrize(
     "config", [KernelConfig("cluster-mma", 4), KernelConfig("wgmma", 1)], ids=lambda c: c.slug
 )
-def test_push_step_matches_plain_decodes_merged(device, config):
+def test_push_step_matches_plain_decodes_merged(device, config, dcp):
     """D ranks' whole push step on one GPU, each on its own stream: the query gather, the
     decode pushing its partials into the owners' mailboxes (the decode kernel's exchange
     parameters, as the FFI's push target passes them), the merge. Each rank's merged rows
     must match the plain decodes of the gathered queries on every rank's cache, merged by
-    LSE in numpy (a rank without keys for a row included)."""
+    LSE in numpy (a rank without keys for a row included). With 16 heads per rank a decode
+    tile holds the heads of 2 (cluster-mma, 32 heads) or all 4 (wgmma, 64) owners."""
     from cubin_launch import CubinKernel, grid_columns, run_decode
 
     from jax_sparse_mla.kernel.compile import get_kernel
 
-    dcp, batch, heads, n_rows, width, step = 2, 2, 16, 600, 256, 7
+    batch, heads, n_rows, width, step = 2, 16, 600, 256, 7
     padded = -(-dcp * heads // 16) * 16
     compiled = get_kernel(config)
     kernel = CubinKernel(compiled.cubin, compiled.meta)
@@ -339,7 +361,8 @@ def test_push_step_matches_plain_decodes_merged(device, config):
     queries = rng.uniform(-2, 2, (dcp, batch, heads, QUERY_ROW)).astype(ml_dtypes.float8_e4m3fn)
     caches = rng.uniform(-2, 2, (dcp, n_rows, QUERY_ROW)).astype(ml_dtypes.float8_e4m3fn)
     rows = rng.integers(-4, n_rows + 4, (dcp, batch, width)).astype(np.int32)
-    valid = np.array([[width, 0], [37, 200]], np.int32)  # rank 0 has no keys for row 1
+    # Rank 0 has no keys for row 1.
+    valid = np.array([[width, 0], [37, 200], [width, 5], [0, 128]], np.int32)[:dcp]
     scales = np.array([576**-0.5 * 1.44269504, 1.25], np.float32)
     step_ptr = scalar(device, step)
     outs = []

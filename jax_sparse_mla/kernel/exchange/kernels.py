@@ -248,42 +248,68 @@ class DcpGather:
         slot_unit = rows_offset + Int64(mine * heads) * QUERY_ROW + Int64(u) * 16
         flag_at = flags_offset + Int64(mine * chunks + c) * 4
         # Unit u of this rank's heads of row b: into the output and into every peer's slot.
+        # The loops over the peers are unrolled (by 4 where D is a multiple of 4, else 2, as
+        # the merge's), so that their loads overlap.
         if u < units:
             own = mQueries.toint() + Int64(b * heads) * QUERY_ROW + Int64(u) * 16
             words = xptx.load_global_nc_v4(own)
             ptx.store_global_v4(out_row + Int64(rank * units + u) * 16, words)
-            for peer in cutlass.range(dcp, unroll=1):
-                if peer != rank:
-                    region = xptx.load_global_u64(header + Int64(peer) * 8)
-                    ptx.store_global_v4(region + slot_unit, words)
+            if dcp % 4 == 0:
+                self.push_unit(words, header, slot_unit, rank, dcp, 4)
+            else:
+                self.push_unit(words, header, slot_unit, rank, dcp, 2)
         # Heads D * H .. Hp of row b (the decode's padding): zeros, spread over the row's CTAs.
         pad_units = (padded - dcp * heads) * QUERY_UNITS
         for z in cutlass.range(u, pad_units, chunks * THREADS, unroll=1):
             xptx.store_global_splat_v4(out_row + Int64(dcp * units + z) * 16, 0)
-        # Every thread's stores, then thread 0 releases the flag in every peer.
+        # Every thread's stores, then thread p < D (p != rank) releases flag [slot, rank, b, c]
+        # in peer p's mailbox (the D - 1 system-scope releases at once, not one after another;
+        # each covers the whole CTA's stores: release is cumulative) and waits for flag
+        # [slot, p, b, c] of this device.
         cute.arch.sync_threads()
-        if tid == 0:
-            for peer in cutlass.range(dcp, unroll=1):
-                if peer != rank:
-                    region = xptx.load_global_u64(header + Int64(peer) * 8)
-                    ptx.release_flag_sys(region + flag_at, flag)
-        # Thread t < D, t != rank, waits for flag [slot, t, b, c] of this device.
         late = Int32(0)
         if (tid < dcp) & (tid != rank):
+            region = xptx.load_global_u64(header + Int64(tid) * 8)
+            ptx.release_flag_sys(region + flag_at, flag)
             at = ((slot * dcp + tid) * batch + b) * chunks + c
             late = xptx.poll_flag_sys(data + flags_offset + Int64(at) * 4, flag, timeout)
         failed = xptx.sync_threads_or(late)
         # Unit u of every peer's heads of row b, from this device's slots, into the output
         # (NaN bytes, E4M3's 0x7F, for all of them on a timeout).
         if u < units:
-            for source in cutlass.range(dcp, unroll=1):
-                if source != rank:
-                    dst = out_row + Int64(source * units + u) * 16
-                    if failed != 0:
+            theirs = (slot * dcp * batch + b) * heads  # source 0's row b in this slot
+            first = data + rows_offset + Int64(theirs) * QUERY_ROW + Int64(u) * 16
+            out_unit = out_row + Int64(u) * 16
+            if failed != 0:
+                for source in cutlass.range(dcp, unroll=1):
+                    if source != rank:
+                        dst = out_unit + Int64(source * units) * 16
                         xptx.store_global_splat_v4(dst, NAN_E4M3X4)
-                    else:
-                        theirs = ((slot * dcp + source) * batch + b) * heads
-                        src = data + rows_offset + Int64(theirs) * QUERY_ROW + Int64(u) * 16
-                        ptx.store_global_v4(dst, xptx.load_global_cg_v4(src))
+            elif dcp % 4 == 0:
+                self.copy_peers(out_unit, first, batch * heads, units, rank, dcp, 4)
+            else:
+                self.copy_peers(out_unit, first, batch * heads, units, rank, dcp, 2)
         if late != 0:
             xptx.record_error(header, mError.toint(), TIMEOUT_QUERIES, step, b, tid)
+
+    @cute.jit
+    def push_unit(self, words, header, slot_unit, rank, dcp, unroll: cutlass.Constexpr[int]):
+        """16 bytes of this rank's queries into the same place (``slot_unit``, an offset) of
+        every peer's data region; the loop over the peers unrolled by ``unroll``."""
+        for peer in cutlass.range(dcp, unroll=unroll):
+            if peer != rank:
+                region = xptx.load_global_u64(header + Int64(peer) * 8)
+                ptx.store_global_v4(region + slot_unit, words)
+
+    @cute.jit
+    def copy_peers(
+        self, out_unit, first, source_stride, units, rank, dcp, unroll: cutlass.Constexpr[int]
+    ):
+        """Unit u of every peer's heads of the row into the output: source s's from
+        ``first`` + s * ``source_stride`` query rows, to ``out_unit`` + s * ``units`` units;
+        the loop over the sources unrolled by ``unroll``."""
+        for source in cutlass.range(dcp, unroll=unroll):
+            if source != rank:
+                src = first + Int64(source * source_stride) * QUERY_ROW
+                dst = out_unit + Int64(source * units) * 16
+                ptx.store_global_v4(dst, xptx.load_global_cg_v4(src))
