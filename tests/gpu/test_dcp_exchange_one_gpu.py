@@ -345,7 +345,8 @@ def test_push_step_matches_plain_decodes_merged(device, config, dcp):
     parameters, as the FFI's push target passes them), the merge. Each rank's merged rows
     must match the plain decodes of the gathered queries on every rank's cache, merged by
     LSE in numpy (a rank without keys for a row included). With 16 heads per rank a decode
-    tile holds the heads of 2 (cluster-mma, 32 heads) or all 4 (wgmma, 64) owners."""
+    tile holds the heads of 2 owners (cluster-mma's 32 heads; wgmma's 64 at D = 2) or of 4
+    (wgmma at D = 4)."""
     from cubin_launch import CubinKernel, grid_columns, run_decode
 
     from jax_sparse_mla.kernel.compile import get_kernel
