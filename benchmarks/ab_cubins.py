@@ -75,7 +75,8 @@ def inputs(batch: int, heads: int, keys: int) -> list[Buffer]:
 class OneGpuMailbox:
     """A push target of D = 1 (this GPU owns every head): a zeroed header (rank 0, no
     previous exchange) listing one data region of the layout the FFI's push target gives
-    (flags, then the latent rows, then the LSEs; slot 0 only, step 0)."""
+    (flags, then the latent rows, then the LSEs; slot 0 only, step 0). With one rank there
+    are no other ranks' query heads: the query offsets are 0 and never used."""
 
     def __init__(self, batch: int, heads: int, flags_per_row: int):
         self.batch, self.heads = batch, heads
@@ -90,7 +91,7 @@ class OneGpuMailbox:
     def exchange(self) -> tuple:
         """cubin_launch's exchange parameters."""
         return (self.header.address, self.rank.address, self.step.address, 1, self.heads,
-                self.latent_offset, self.lse_offset)  # fmt: skip
+                self.latent_offset, self.lse_offset, 0, 0)  # fmt: skip
 
     def results(self):
         """Slot 0's (latent as float32, lse)."""

@@ -19,7 +19,7 @@ exchange's merge its wait for the peers' flags). The kernel path is implementati
 fallback to the reference; the push exchange's custom calls are checked in the lowered program
 and its error records (dcp_check) after the run.
 
---loopback runs the push exchange's three kernels (query gather, pushing decode, merge) on
+--loopback runs the push exchange's two kernels (the pushing decode, the merge) on
 one GPU set up as a group of one that exchanges with itself, at the cases' shapes with D = 1
 (all the heads, all the keys on the one GPU). It is not a DCP step (dcp_decode at D = 1 is a
 plain decode; nothing crosses NVLink and no peer is waited for): it times the exchange's own
@@ -151,13 +151,12 @@ def inputs(mesh: Mesh, dcp: int, batch: int, heads: int, keys: int):
 
 def category(name: str) -> str:
     lower = name.lower()
-    for kernel in ("dcpgather", "dcpmerge"):  # the exchange's cubins (entries name the class)
-        if kernel in lower:
-            return f"push exchange: {kernel[3:]} (incl. wait)"
+    if "dcpmerge" in lower:  # the exchange's cubin (its entry names the class)
+        return "push exchange: merge (incl. wait)"
     if "nccl" in lower:
         return "nccl " + ("all-gather" if "allgather" in lower else "all-to-all / send-recv")
     if "jax_sparse_mla" in lower:  # both variants' entries (SparseDecode, WgmmaDecode)
-        return "decode kernel (with push: stores into the owners' mailboxes)"
+        return "decode kernel (with push: incl. the query heads' exchange and wait)"
     return "XLA fusions and copies"
 
 

@@ -4,15 +4,17 @@
 // group of D devices along the mesh axis): on each device's primary context it allocates a data
 // region (the mailbox proper, zeroed), enables peer access between all the group's devices and
 // writes the device's header: every rank's data region, this rank, the timeout, the error
-// record. The header, the host-mapped error record and the loaded exchange kernels (the sm_90a
-// cubins of kernel/exchange, which dcp_setup passes in) are made once per device and kept for
+// record. The header, the host-mapped error record and the loaded merge kernel (the sm_90a
+// cubin of kernel/exchange, which dcp_setup passes in) are made once per device and kept for
 // the process: a later dcp_setup rewrites them in place, so kernel parameters captured into a
 // CUDA graph stay valid and the handlers can be command-buffer compatible. Nothing is allocated
 // in execute.
 //
-// The producers are the decode kernels: the decode handler's push target
+// The decode kernels do the rest: the decode handler's push target
 // ("jax_sparse_mla_decode_push", sparse_mla_ffi.cc) asks PushTargetFor for the header and the
-// layout, and each decode CTA stores its rows into the owners' mailboxes and releases a flag.
+// layout; each decode CTA first pushes its share of its rank's query heads into the other
+// ranks' query rows and waits for theirs, and at its end stores its rows into the owners'
+// mailboxes and releases a flag.
 // The merge ("jax_sparse_mla_dcp_merge") takes the decode's token, so XLA keeps them in order,
 // and launches dcp_merge (grid (S, B), S = ceil(H / kChunkHeads)). A failure the kernels detect
 // (timeout, repeated step parity, rank mismatch) is written to the error record; an execute that
@@ -47,7 +49,7 @@ constexpr size_t kHeaderBytes = 256;
 constexpr int64_t kMaxCapacity = INT32_MAX;
 constexpr size_t kRegionAlign = 256;
 constexpr unsigned int kChunkHeads = 4;  // heads per merge CTA: one per 64 threads, one pass
-constexpr unsigned int kThreads = 256;
+constexpr unsigned int kThreads = 256;  // per merge CTA
 constexpr int64_t kLatent = 512;
 constexpr int64_t kQueryRow = 576;  // bytes of an FP8 query head
 constexpr int64_t kMaxGridY = 65535;
@@ -73,22 +75,19 @@ uint64_t AlignUp(uint64_t value, uint64_t alignment) {
 
 uint64_t Chunks(uint64_t heads) { return (heads + kChunkHeads - 1) / kChunkHeads; }
 
-// CTAs per row of the query gather: one 16-byte unit of a rank's heads per thread.
-uint64_t QueryChunks(uint64_t heads) {
-  return (heads * kQueryRow / 16 + kThreads - 1) / kThreads;
-}
-
-// The partials: flags u32[2][D][B][F] at 0, latents bf16[2][D][B][H][512], LSEs
-// f32[2][D][B][H]; the queries: flags u32[2][D][B][C] (C = QueryChunks), rows
-// fp8[2][D][B][H][576].
+// The partials: flags u32[2][D][B][F] at 0 (F = the decode's CTAs per row), latents
+// bf16[2][D][B][H][512], LSEs f32[2][D][B][H]; the queries: flags u32[2][D][B][F] (one per
+// pushing decode CTA), rows fp8[2][B][Hp][576] (every rank's heads in gathered order, Hp = D * H
+// padded to 16).
 Layout MakeLayout(uint64_t dcp, uint64_t batch, uint64_t heads, uint64_t flags_per_row) {
+  const uint64_t padded = (dcp * heads + kHeadGrain - 1) / kHeadGrain * kHeadGrain;
   Layout layout{};
   layout.latent_offset = AlignUp(4 * 2 * dcp * batch * flags_per_row, kRegionAlign);
   layout.lse_offset = layout.latent_offset + 2 * dcp * batch * heads * kLatent * 2;
   layout.query_flags_offset = AlignUp(layout.lse_offset + 2 * dcp * batch * heads * 4, kRegionAlign);
   layout.query_offset = AlignUp(
-      layout.query_flags_offset + 4 * 2 * dcp * batch * QueryChunks(heads), kRegionAlign);
-  layout.bytes = layout.query_offset + 2 * dcp * batch * heads * kQueryRow;
+      layout.query_flags_offset + 4 * 2 * dcp * batch * flags_per_row, kRegionAlign);
+  layout.bytes = layout.query_offset + 2 * batch * padded * kQueryRow;
   return layout;
 }
 
@@ -105,9 +104,7 @@ struct Mailbox {
   uint64_t capacity = 0;
   volatile uint32_t* host_error = nullptr;  // u32[4]: code, step, row, source; permanent
   CUdeviceptr device_error = 0;
-  CUmodule gather_module = nullptr;
   CUmodule merge_module = nullptr;
-  CUfunction gather_queries = nullptr;
   CUfunction merge = nullptr;
   bool ready = false;  // the last setup of this device succeeded
 };
@@ -150,7 +147,7 @@ std::string WithContext(const cu::Driver& d, CUcontext context, Body body) {
     return cu::Describe(d, call, result_);                                  \
   }
 
-// One of the exchange's cubins, as dcp_setup passes it (kernel/exchange/compile.py).
+// The merge's cubin, as dcp_setup passes it (kernel/exchange/compile.py).
 struct Cubin {
   const void* image;
   const char* kernel_name;
@@ -158,8 +155,7 @@ struct Cubin {
 
 // Makes the device's permanent parts once; (re)allocates and zeroes the data region. Waits for
 // the device to be idle first: an exchange must not be running while dcp_setup does.
-std::string Prepare(const cu::Driver& d, Mailbox& mailbox, uint64_t capacity, Cubin gather,
-                    Cubin merge) {
+std::string Prepare(const cu::Driver& d, Mailbox& mailbox, uint64_t capacity, Cubin merge) {
   if (mailbox.context == nullptr) {
     RETURN_IF_FAILED("cuDeviceGet", d.DeviceGet(&mailbox.device, mailbox.ordinal));
     RETURN_IF_FAILED("cuDevicePrimaryCtxRetain",
@@ -176,11 +172,6 @@ std::string Prepare(const cu::Driver& d, Mailbox& mailbox, uint64_t capacity, Cu
       mailbox.host_error = static_cast<volatile uint32_t*>(host);
       RETURN_IF_FAILED("cuMemHostGetDevicePointer",
                        d.MemHostGetDevicePointer(&mailbox.device_error, host, 0));
-      RETURN_IF_FAILED("cuModuleLoadData (the query gather's cubin)",
-                       d.ModuleLoadData(&mailbox.gather_module, gather.image));
-      RETURN_IF_FAILED("cuModuleGetFunction (the query gather)",
-                       d.ModuleGetFunction(&mailbox.gather_queries, mailbox.gather_module,
-                                           gather.kernel_name));
       RETURN_IF_FAILED("cuModuleLoadData (the merge's cubin)",
                        d.ModuleLoadData(&mailbox.merge_module, merge.image));
       RETURN_IF_FAILED("cuModuleGetFunction (the merge)",
@@ -233,7 +224,7 @@ std::string Connect(const cu::Driver& d, Mailbox& mailbox, const std::vector<Mai
 #undef RETURN_IF_FAILED
 
 std::string Setup(const int32_t* ordinals, int32_t dcp_size, int64_t capacity, int64_t timeout_ns,
-                  Cubin gather, Cubin merge) {
+                  Cubin merge) {
   const cu::LoadedDriver& loaded = cu::GetDriver();
   if (!loaded.error.empty()) return loaded.error;
   const cu::Driver& d = loaded.driver;
@@ -248,9 +239,8 @@ std::string Setup(const int32_t* ordinals, int32_t dcp_size, int64_t capacity, i
     return "capacity_bytes must be in [" + std::to_string(kRegionAlign) + ", " +
            std::to_string(kMaxCapacity) + "] and the timeout positive";
   }
-  if (gather.image == nullptr || gather.kernel_name == nullptr || merge.image == nullptr ||
-      merge.kernel_name == nullptr) {
-    return "the exchange's cubins and kernel names are required";
+  if (merge.image == nullptr || merge.kernel_name == nullptr) {
+    return "the merge's cubin and kernel name are required";
   }
   std::lock_guard<std::mutex> lock(registry_mutex);
   // Setting a device up again resets its exchange (zeroed data region and error record); this
@@ -269,7 +259,7 @@ std::string Setup(const int32_t* ordinals, int32_t dcp_size, int64_t capacity, i
   std::string error;
   for (Mailbox* mailbox : group) {
     if (error.empty()) {
-      error = Prepare(d, *mailbox, static_cast<uint64_t>(capacity), gather, merge);
+      error = Prepare(d, *mailbox, static_cast<uint64_t>(capacity), merge);
     }
   }
   for (Mailbox* mailbox : group) {
@@ -358,7 +348,7 @@ using LseBuffer = ffi::Buffer<ffi::F32, 2>;
 using ScalarBuffer = ffi::Buffer<ffi::S32, 0>;
 using TokenBuffer = ffi::Buffer<ffi::S32, 1>;
 
-// An exchange kernel of kThreads threads per CTA over grid (x, y).
+// The merge: kThreads threads per CTA over grid (x, y).
 ffi::Error Launch(CUfunction function, cudaStream_t stream, unsigned int grid_x,
                   unsigned int grid_y, void** params) {
   const cu::Driver& d = cu::GetDriver().driver;
@@ -371,45 +361,6 @@ ffi::Error Launch(CUfunction function, cudaStream_t stream, unsigned int grid_x,
   config.blockDimZ = 1;
   config.hStream = stream;
   return cu::Check(d, "cuLaunchKernelEx", d.LaunchKernelEx(&config, function, params, nullptr));
-}
-
-ffi::Error GatherQueries(cudaStream_t stream, ffi::AnyBuffer queries, ScalarBuffer rank,
-                         ScalarBuffer step, ffi::Result<ffi::AnyBuffer> gathered,
-                         int64_t dcp_size, int64_t head_tile, int64_t split) {
-  ffi::ErrorOr<Mailbox*> found = MailboxFor(stream, dcp_size);
-  if (found.has_error()) return found.error();
-  Mailbox& mailbox = *found.value();
-  const auto dims = queries.dimensions();
-  const auto out = gathered->dimensions();
-  if (queries.element_type() != ffi::F8E4M3FN || gathered->element_type() != ffi::F8E4M3FN ||
-      dims.size() != 3 || out.size() != 3 || dims[2] != kQueryRow || out[2] != kQueryRow ||
-      out[0] != dims[0] ||
-      out[1] != (dcp_size * dims[1] + kHeadGrain - 1) / kHeadGrain * kHeadGrain ||
-      head_tile < 1 || split < 1 || split > 8) {
-    return ffi::Error::InvalidArgument(
-        "jax_sparse_mla: the query gather maps float8_e4m3fn [B, H, 576] to [B, D * H padded to "
-        "16, 576]");
-  }
-  const int64_t batch = dims[0];
-  const int64_t heads = dims[1];
-  ffi::ErrorOr<Layout> layout =
-      CheckedLayout(mailbox, batch, heads, dcp::FlagsPerRow(dcp_size, heads, head_tile, split));
-  if (layout.has_error()) return layout.error();
-
-  void* out_ptr = gathered->untyped_data();
-  void* queries_ptr = queries.untyped_data();
-  void* rank_ptr = rank.untyped_data();
-  void* step_ptr = step.untyped_data();
-  CUdeviceptr header = mailbox.header;
-  CUdeviceptr error = mailbox.device_error;
-  uint64_t flags_offset = layout.value().query_flags_offset;
-  uint64_t rows_offset = layout.value().query_offset;
-  uint32_t sizes[4] = {static_cast<uint32_t>(batch), static_cast<uint32_t>(heads),
-                       static_cast<uint32_t>(dcp_size), static_cast<uint32_t>(out[1])};
-  void* params[] = {&out_ptr,      &queries_ptr,  &rank_ptr, &step_ptr, &header,   &error,
-                    &flags_offset, &rows_offset,  &sizes[0], &sizes[1], &sizes[2], &sizes[3]};
-  return Launch(mailbox.gather_queries, stream, static_cast<unsigned int>(QueryChunks(heads)),
-                static_cast<unsigned int>(batch), params);
 }
 
 ffi::Error Merge(cudaStream_t stream, TokenBuffer /*token*/, ScalarBuffer step,
@@ -463,19 +414,20 @@ ffi::ErrorOr<dcp::PushTarget> dcp::PushTargetFor(CUstream stream, int64_t dcp_si
   ffi::ErrorOr<Layout> layout = CheckedLayout(*found.value(), batch, heads_own, flags_per_row);
   if (layout.has_error()) return ffi::Unexpected<ffi::Error>(layout.error());
   return PushTarget{found.value()->header, static_cast<uint32_t>(layout.value().latent_offset),
-                    static_cast<uint32_t>(layout.value().lse_offset)};
+                    static_cast<uint32_t>(layout.value().lse_offset),
+                    static_cast<uint32_t>(layout.value().query_offset),
+                    static_cast<uint32_t>(layout.value().query_flags_offset)};
 }
 
-// Sets up one group (rank r is CUDA device ordinals[r]) with the exchange's kernels from two
-// cubin images (loaded on a device's first setup). Returns 0, or 1 with a NUL-terminated reason
-// in `message`.
+// Sets up one group (rank r is CUDA device ordinals[r]) with the merge from its cubin image
+// (loaded on a device's first setup). Returns 0, or 1 with a NUL-terminated reason in
+// `message`.
 JAX_SPARSE_MLA_EXPORT int JaxSparseMlaDcpSetup(const int32_t* ordinals, int32_t dcp_size,
                                                int64_t capacity_bytes, int64_t timeout_ns,
-                                               const void* gather_cubin, const char* gather_name,
                                                const void* merge_cubin, const char* merge_name,
                                                char* message, int64_t message_bytes) {
   std::string error = Setup(ordinals, dcp_size, capacity_bytes, timeout_ns,
-                            Cubin{gather_cubin, gather_name}, Cubin{merge_cubin, merge_name});
+                            Cubin{merge_cubin, merge_name});
   if (error.empty()) return 0;
   if (message_bytes > 0) {
     std::strncpy(message, error.c_str(), static_cast<size_t>(message_bytes - 1));
@@ -501,20 +453,7 @@ JAX_SPARSE_MLA_EXPORT const char* JaxSparseMlaDcpErrorText(uint32_t code) {
   return ErrorText(code);
 }
 
-JAX_SPARSE_MLA_EXPORT XLA_FFI_Error* JaxSparseMlaDcpGatherQueries(XLA_FFI_CallFrame* call_frame);
 JAX_SPARSE_MLA_EXPORT XLA_FFI_Error* JaxSparseMlaDcpMerge(XLA_FFI_CallFrame* call_frame);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaDcpGatherQueries, GatherQueries,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()  // this rank's query heads
-                                  .Arg<ScalarBuffer>()    // rank
-                                  .Arg<ScalarBuffer>()    // step
-                                  .Ret<ffi::AnyBuffer>()  // every rank's heads, padded to 16
-                                  .Attr<int64_t>("dcp_size")
-                                  .Attr<int64_t>("head_tile")  // the decode's launch (the
-                                  .Attr<int64_t>("split"),     // mailbox layout's flags)
-                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaDcpMerge, Merge,
                               ffi::Ffi::Bind()

@@ -11,11 +11,14 @@
 namespace dcp {
 
 // The decode kernel's exchange parameters (config.PARAMS): the device's mailbox header and the
-// byte offsets of the latents and LSEs in every rank's data region.
+// byte offsets of the latents, the LSEs, the query rows and the query flags in every rank's
+// data region.
 struct PushTarget {
   CUdeviceptr header;
   uint32_t latent_offset;
   uint32_t lse_offset;
+  uint32_t query_offset;
+  uint32_t query_flags_offset;
 };
 
 // The mailbox of the stream's device for a decode of `batch` rows whose heads belong to

@@ -11,15 +11,17 @@
 //   smem_bytes   i64      dynamic shared memory per block
 // Parameter ABI of the entry (PARAMS in jax_sparse_mla/kernel/config.py): q, kv, rows, valid,
 // scales, latent, lse as device pointers, then n_rows = kv.shape[0], width = rows.shape[1],
-// heads = q.shape[1] (Hp) and row_bytes = kv.shape[1] as i32, then the push exchange's
-// parameters: the mailbox header, rank and step pointers, D, H_own and the mailbox offsets
-// (null pointers, 1, Hp, 0 and 0 for a plain decode). Nothing about the shape is compiled into
-// the cubin: the grid and the sizes come from the buffers of each call.
+// heads = Hp (q.shape[1]; with the push exchange D * H_own padded to 16) and row_bytes =
+// kv.shape[1] as i32, then the push exchange's parameters: the mailbox header, rank and step
+// pointers, D, H_own and the mailbox offsets (null pointers, 1, Hp and zeros for a plain
+// decode). Nothing about the shape is compiled into the cubin: the grid and the sizes come from
+// the buffers of each call.
 //
 // Two targets share the instantiate stage: "jax_sparse_mla_decode" (results latent, lse) and
-// "jax_sparse_mla_decode_push" (dcp_decode(exchange="push"): operands rank and step, attributes
-// dcp_size and heads_own, a token result; the kernel stores the rows into the owners' mailboxes,
-// see dcp_exchange.cc).
+// "jax_sparse_mla_decode_push" (dcp_decode(exchange="push"): q is this rank's own heads [B, H_own,
+// 576], operands rank and step, attributes dcp_size and heads_own, a token result; the kernel
+// exchanges the query heads with the other ranks' decodes and stores the rows into the owners'
+// mailboxes, see dcp_exchange.cc).
 //
 // Stages:
 // - instantiate (once per executable, while XLA builds its thunks; no stream, no device is
@@ -275,7 +277,7 @@ ffi::Error InvalidShape(std::string message) {
   return ffi::Error::InvalidArgument("jax_sparse_mla: " + std::move(message));
 }
 
-// Where the kernel's results go (the ABI's last seven parameters besides latent and lse).
+// Where the kernel's results go (the ABI's last nine parameters besides latent and lse).
 struct Outputs {
   void* latent = nullptr;
   void* lse = nullptr;
@@ -286,6 +288,8 @@ struct Outputs {
   int32_t heads_own = 0;  // Hp without an exchange
   int32_t latent_offset = 0;
   int32_t lse_offset = 0;
+  int32_t query_offset = 0;
+  int32_t query_flags_offset = 0;
 };
 
 // The launch's grid columns (CTAs per row) for Hp padded heads.
@@ -293,15 +297,18 @@ int64_t CtasPerRow(const KernelState& state, int64_t heads) {
   return (heads + state.head_tile - 1) / state.head_tile * state.cluster[0];
 }
 
+// Launches the decode of `heads` (Hp) padded heads: q holds them all, or with an exchange this
+// rank's H_own.
 ffi::Error Launch(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8Buffer kv,
-                  RowsBuffer rows, ValidBuffer valid, ScalesBuffer scales, Outputs out) {
+                  RowsBuffer rows, ValidBuffer valid, ScalesBuffer scales, int64_t heads,
+                  Outputs out) {
   const cu::Driver& d = *state->driver;
   if (ffi::Error error = CheckFp8("q", q, 3); error.failure()) return error;
   if (ffi::Error error = CheckFp8("kv", kv, 2); error.failure()) return error;
   // Python normalizes the operands; these checks keep a malformed call from reading out of
   // bounds.
   const int64_t batch = q.dimensions()[0];
-  const int64_t heads = q.dimensions()[1];
+  const int64_t q_heads = out.exchange == nullptr ? heads : out.heads_own;
   const int64_t kv_rows = kv.dimensions()[0];
   const int64_t row_bytes = kv.dimensions()[1];
   const int64_t width = rows.dimensions()[1];
@@ -313,9 +320,9 @@ ffi::Error Launch(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8Buffe
                         std::to_string(row_bytes) + "]");
   }
   if (rows.dimensions()[0] != batch || valid.dimensions()[0] != batch ||
-      scales.dimensions()[0] != 2) {
+      scales.dimensions()[0] != 2 || q.dimensions()[1] != q_heads) {
     return InvalidShape("operand shapes disagree with q [" + std::to_string(batch) + ", " +
-                        std::to_string(heads) + ", 576]");
+                        std::to_string(q_heads) + ", 576]");
   }
   if (batch < 1 || batch > cu::kMaxGridY || heads < 1 || heads % kHeadGrain != 0 ||
       CtasPerRow(*state, heads) > INT32_MAX || width < 1 || width > INT32_MAX ||
@@ -352,7 +359,8 @@ ffi::Error Launch(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8Buffe
                     &scales_ptr,     &out.latent,   &out.lse,           &n_rows,
                     &width_param,    &heads_param,  &row_bytes_param,   &out.exchange,
                     &out.rank,       &out.step,     &out.dcp,           &out.heads_own,
-                    &out.latent_offset, &out.lse_offset};
+                    &out.latent_offset, &out.lse_offset, &out.query_offset,
+                    &out.query_flags_offset};
 
   CUlaunchAttribute attrs[2] = {};
   attrs[0].id = CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
@@ -392,7 +400,7 @@ ffi::Error Execute(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8Buff
   Outputs out;
   out.latent = latent->untyped_data();
   out.lse = lse->untyped_data();
-  return Launch(stream, state, q, kv, rows, valid, scales, out);
+  return Launch(stream, state, q, kv, rows, valid, scales, heads, out);
 }
 
 using ScalarBuffer = ffi::Buffer<ffi::S32, 0>;
@@ -408,15 +416,16 @@ ffi::Error ExecutePush(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8
     return ffi::Error::InvalidArgument("jax_sparse_mla: decode_push needs the int64 attributes "
                                        "dcp_size and heads_own");
   }
-  const int64_t batch = q.dimensions()[0];
-  const int64_t heads = q.dimensions()[1];
-  const int64_t gathered = dcp_size.value() * heads_own.value();
-  if (dcp_size.value() < 1 || heads_own.value() < 1 ||
-      (gathered + kHeadGrain - 1) / kHeadGrain * kHeadGrain != heads) {
-    return InvalidShape("decode_push: D=" + std::to_string(dcp_size.value()) + " ranks of " +
-                        std::to_string(heads_own.value()) + " heads do not pad to q's " +
-                        std::to_string(heads) + " heads");
+  if (dcp_size.value() < 1 || dcp_size.value() > 16 || heads_own.value() < 1 ||
+      heads_own.value() > 4096 || q.dimensions().size() != 3 ||
+      q.dimensions()[1] != heads_own.value()) {
+    return InvalidShape("decode_push: q must hold this rank's heads_own=" +
+                        std::to_string(heads_own.value()) + " heads of D=" +
+                        std::to_string(dcp_size.value()) + " ranks (1..16)");
   }
+  const int64_t batch = q.dimensions()[0];
+  const int64_t heads =
+      (dcp_size.value() * heads_own.value() + kHeadGrain - 1) / kHeadGrain * kHeadGrain;
   ffi::ErrorOr<dcp::PushTarget> target = dcp::PushTargetFor(
       stream, dcp_size.value(), batch, heads_own.value(), CtasPerRow(*state, heads));
   if (target.has_error()) return target.error();
@@ -428,7 +437,9 @@ ffi::Error ExecutePush(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8
   out.heads_own = static_cast<int32_t>(heads_own.value());
   out.latent_offset = static_cast<int32_t>(target.value().latent_offset);
   out.lse_offset = static_cast<int32_t>(target.value().lse_offset);
-  return Launch(stream, state, q, kv, rows, valid, scales, out);
+  out.query_offset = static_cast<int32_t>(target.value().query_offset);
+  out.query_flags_offset = static_cast<int32_t>(target.value().query_flags_offset);
+  return Launch(stream, state, q, kv, rows, valid, scales, heads, out);
 }
 
 }  // namespace
@@ -466,7 +477,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaDecodePushExecute, ExecutePush,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()  // stream
                                   .Ctx<ffi::State<KernelState>>()            // state
-                                  .Arg<Fp8Buffer>()                          // q (gathered)
+                                  .Arg<Fp8Buffer>()                          // q (own heads)
                                   .Arg<Fp8Buffer>()                          // kv
                                   .Arg<RowsBuffer>()                         // rows
                                   .Arg<ValidBuffer>()                        // valid

@@ -3,12 +3,12 @@
     python -m jax_sparse_mla.aot --out DIR                 # every decode config + the indexer's
     python -m jax_sparse_mla.aot --out DIR --variant cluster-mma
     python -m jax_sparse_mla.aot --out DIR --variant index  # the indexer's two kernels only
-    python -m jax_sparse_mla.aot --out DIR --variant exchange  # the push exchange's two
+    python -m jax_sparse_mla.aot --out DIR --variant exchange  # the push exchange's merge
 
 A cubin serves every batch size, head count, top-k width and cache size, so one per config
-(variant and cluster split) is all a machine needs. The wheel build runs this command and
-ships DIR inside the package (``jax_sparse_mla/_cubins``); DIR also works as
-JAX_SPARSE_MLA_CACHE_DIR on a machine without nvidia-cutlass-dsl.
+(variant and cluster split, plain and for the push exchange) is all a machine needs. The
+wheel build runs this command and ships DIR inside the package (``jax_sparse_mla/_cubins``);
+DIR also works as JAX_SPARSE_MLA_CACHE_DIR on a machine without nvidia-cutlass-dsl.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import argparse
 import sys
 import time
 
-from jax_sparse_mla.kernel.config import ALL_CONFIGS, ARCH, VARIANTS
+from jax_sparse_mla.kernel.config import ALL_CONFIGS, ARCH, PUSH_CONFIGS, VARIANTS
 from jax_sparse_mla.kernel.exchange.config import EXCHANGE_KERNELS, ExchangeKernel
 from jax_sparse_mla.kernel.index.config import INDEX_KERNELS, IndexKernel
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     variants = set(args.variant or [*VARIANTS, "index", "exchange"])
-    configs = [config for config in ALL_CONFIGS if config.variant in variants]
+    configs = [config for config in ALL_CONFIGS + PUSH_CONFIGS if config.variant in variants]
     if "index" in variants:
         configs += INDEX_KERNELS
     if "exchange" in variants:

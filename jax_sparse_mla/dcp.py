@@ -18,8 +18,9 @@ Per call, inside ``jax.shard_map``, the collectives are:
    the bits (an f32 half can look like a bf16 NaN).
 
 ``exchange="push"`` replaces both collectives on CUDA GPUs with the one-sided exchange of
-``push_exchange`` (mailboxes set up once by ``dcp_setup``): a kernel pushes the query heads,
-the decode kernel pushes its partials, the owner's kernel merges; elsewhere it runs as above.
+``push_exchange`` (mailboxes set up once by ``dcp_setup``): the decode kernel pushes this
+rank's query heads to the other ranks' decodes and its partials to the heads' owners, the
+owner's kernel merges; elsewhere it runs as above.
 
 The KV cache never moves.
 """
@@ -222,8 +223,8 @@ def dcp_decode(
         (same on every rank).
       exchange: how the partials reach their owners. "collectives" (default): one XLA
         all_to_all, any platform. "push": on CUDA GPUs set up by ``jax_sparse_mla.dcp_setup``,
-        no collective: each rank pushes its query heads to the others, its decode kernel
-        stores the partials straight into the owners' mailboxes and the owner merges them
+        no collective: each rank's decode kernel pushes its query heads to the others' and
+        its partials straight into the owners' mailboxes, and the owner merges them
         (see ``jax_sparse_mla.push_exchange``: its step rule, timeout and errors); with
         ``implementation="reference"`` or on other platforms it runs as "collectives", with
         the same results.
@@ -235,7 +236,8 @@ def dcp_decode(
         (``local_rows``), so the kernel config suits the keys a rank really has. Results never
         depend on it; where one rank holds far more of a row (a skewed row, another layout)
         that call is only slower: pass K (or a ``kernel_config``) there.
-      kernel_config: as for ``jax_sparse_mla.decode`` (both exchanges run that kernel).
+      kernel_config: as for ``jax_sparse_mla.decode`` (both exchanges run that config; "push"
+        its cubin that also exchanges the query heads).
 
     Returns:
       latent: [B, H_own, 512] bfloat16, this rank's heads merged over all ranks' keys.
@@ -281,7 +283,7 @@ def dcp_decode(
 
     def push(q, kv, rows, valid, rank, step):
         # kv, rows, valid and the scales as the kernel takes them (the padded q is unused: the
-        # gather pads the gathered heads).
+        # pushing decode takes this rank's own heads).
         _, (_, kv, rows, valid, scales) = kernel_operands(q, kv, rows, valid, **kwargs)
         merged = push_exchange.decode_and_exchange(
             q,

@@ -114,6 +114,11 @@ def kernel_operands(
                 f"kernel_config={kernel_config} picks a kernel variant, but "
                 "implementation='reference' runs no kernel"
             )
+        if kernel_config.exchange:
+            raise ValueError(
+                f"kernel_config={kernel_config}: exchange=True names the push exchange's own "
+                "cubin (dcp_decode(exchange='push') picks it); pass the plain config"
+            )
     shapes = validation.check_decode_args(q, kv, rows, valid)
     softmax_scale = validation.check_softmax_scale(softmax_scale)
     valid_hint = validation.check_valid_hint(valid_hint)

@@ -1,10 +1,13 @@
 """The one-sided DCP exchange (``dcp_decode(exchange="push")``) on CUDA GPUs of one process.
 
-The decode kernel itself pushes: each CTA stores its result rows straight into the owners'
-mailboxes on the owners' GPUs (plain stores over NVLink) and then releases one flag per owner
-at system scope; the owner's merge kernel acquire-polls the flags of the CTAs that hold its
-heads with a bounded wait and merges by LSE into the final rows. No collective and no copy
-kernel is involved. The mailboxes belong to the FFI library (``ffi/dcp_exchange.cc``):
+Two kernels per exchange, no collective and no copy kernel. The decode kernel itself pushes:
+each CTA first stores its share of this rank's query heads of its tile into the other ranks'
+mailboxes and releases a flag there, then acquire-polls (bounded) the flags of the other ranks'
+heads its tile holds and reads them from its own mailbox; after its keys it stores its result
+rows straight into the owners' mailboxes on the owners' GPUs (plain stores over NVLink) and
+releases one flag per owner at system scope. The owner's merge kernel acquire-polls the flags
+of the CTAs that hold its heads with a bounded wait and merges by LSE into the final rows. The
+mailboxes belong to the FFI library (``ffi/dcp_exchange.cc``):
 ``dcp_setup`` allocates, zeroes and peer-maps them eagerly, once, before the first call;
 nothing is allocated while a program runs.
 
@@ -15,15 +18,17 @@ decode loop's counter; with several exchanges per decode step, e.g. one per laye
 the owners then time out with NaN rows and a recorded error rather than read a slot still
 being merged.
 
-Failures (a rank whose push never arrives within the timeout, a repeated parity, a rank that
-disagrees with ``dcp_setup``'s device order) give NaN rows for the affected rows and an error
-record per device: the next exchange on that device raises it, ``dcp_check()`` raises it on
-demand, and ``dcp_setup`` again resets the exchange.
+Failures (a rank whose query heads or partials never arrive within the timeout, a repeated
+parity, a rank that disagrees with ``dcp_setup``'s device order) give NaN rows for the affected
+rows and an error record per device (a decode that misses a rank's query heads pushes nothing,
+so the owners' merges time out too): the next exchange on that device raises it,
+``dcp_check()`` raises it on demand, and ``dcp_setup`` again resets the exchange.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import logging
 import threading
@@ -53,15 +58,15 @@ __all__ = [
     "decode_and_exchange",
 ]
 
-GATHER_TARGET = "jax_sparse_mla_dcp_gather_queries"
 MERGE_TARGET = "jax_sparse_mla_dcp_merge"
 DEFAULT_CAPACITY_BYTES = 64 << 20
-"""Mailbox bytes per device: about ``2 * D * B * H_own * 1028`` are needed (two slots, D sources,
-bf16 rows and f32 LSEs, plus a few flags per row), so the default holds e.g. D=8, B=256,
-H_own=16. At most 2**31 - 1."""
+"""Mailbox bytes per device: about ``2 * D * B * H_own * 1604`` are needed (two slots; D
+sources' bf16 rows and f32 LSEs; every rank's FP8 query heads; a few flags per row), so the
+default holds e.g. D=8, B=256, H_own=16. At most 2**31 - 1."""
 MAX_CAPACITY_BYTES = 2**31 - 1
 DEFAULT_TIMEOUT_S = 5.0
-"""How long a merge waits for a rank's partials before it gives NaN rows and an error."""
+"""How long a decode waits for a rank's query heads, or a merge for a rank's partials, before
+it gives up (NaN rows and an error)."""
 
 
 log = logging.getLogger("jax_sparse_mla")
@@ -72,9 +77,8 @@ _ready_ordinals: set[int] = set()  # CUDA devices with a mailbox, for dcp_check
 
 def export_disabled_checks() -> tuple[jax.export.DisabledSafetyCheck, ...]:
     """The ``disabled_checks`` that let ``jax.export`` serialize the exchange's own custom
-    calls (the query gather and the merge; the pushing decode's is ``cuda_lowering``'s)."""
-    targets = (GATHER_TARGET, MERGE_TARGET)
-    return tuple(jax.export.DisabledSafetyCheck.custom_call(target) for target in targets)
+    call (the merge; the pushing decode's is ``cuda_lowering``'s)."""
+    return (jax.export.DisabledSafetyCheck.custom_call(MERGE_TARGET),)
 
 
 def _load_library() -> ctypes.CDLL:
@@ -88,8 +92,6 @@ def _load_library() -> ctypes.CDLL:
                 ctypes.c_int32,
                 ctypes.c_int64,
                 ctypes.c_int64,
-                ctypes.c_char_p,  # the query gather's cubin
-                ctypes.c_char_p,  # its kernel name
                 ctypes.c_char_p,  # the merge's cubin
                 ctypes.c_char_p,  # its kernel name
                 ctypes.c_char_p,
@@ -101,12 +103,8 @@ def _load_library() -> ctypes.CDLL:
                 ctypes.c_int32,
                 ctypes.POINTER(ctypes.c_uint32),
             ]
-            targets = {
-                GATHER_TARGET: library.JaxSparseMlaDcpGatherQueries,
-                MERGE_TARGET: library.JaxSparseMlaDcpMerge,
-            }
-            for target, symbol in targets.items():
-                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(symbol), platform="CUDA")
+            merge = jax.ffi.pycapsule(library.JaxSparseMlaDcpMerge)
+            jax.ffi.register_ffi_target(MERGE_TARGET, merge, platform="CUDA")
             _library = library
         return _library
 
@@ -137,7 +135,7 @@ def dcp_setup(
 
     For each group of devices along ``axis_name`` it allocates one mailbox of
     ``capacity_bytes`` per device, zeroes it, enables peer access within the group and loads
-    the exchange kernels (the package's cubins, as for ``decode``). Calling it again resets the
+    the merge kernel (the package's cubin, as for ``decode``). Calling it again resets the
     exchange (zeroed mailboxes, cleared error records, the new capacity and timeout); do so only
     while no exchange is running. Programs compiled before stay valid (their kernels find the
     mailboxes through a per-device header that lives as long as the process).
@@ -147,7 +145,7 @@ def dcp_setup(
     device (``dcp_decode`` is then a plain decode). Raises ValueError for an axis not in the
     mesh or bad sizes, NotImplementedError for devices of other processes
     (multi-process needs CUDA IPC handles; not built), RuntimeError when the driver refuses
-    (e.g. no peer access between two devices) or no cubin of the exchange's kernels is found.
+    (e.g. no peer access between two devices) or no cubin of the merge is found.
     """
     groups = _groups(mesh, axis_name)
     if not isinstance(capacity_bytes, int) or not 4096 <= capacity_bytes <= MAX_CAPACITY_BYTES:
@@ -178,11 +176,9 @@ def setup_group(ordinals: Sequence[int], capacity_bytes: int, timeout_s: float) 
     ``bench_dcp.py --loopback`` do."""
     library = _load_library()
     try:
-        gather, merge = (get_exchange_kernel(kernel) for kernel in EXCHANGE_KERNELS)
+        (merge,) = (get_exchange_kernel(kernel) for kernel in EXCHANGE_KERNELS)
     except (KernelUnavailableError, ImportError) as err:
-        raise RuntimeError(
-            f"jax_sparse_mla.dcp_setup: no cubin of the exchange's kernels: {err}"
-        ) from err
+        raise RuntimeError(f"jax_sparse_mla.dcp_setup: no cubin of the merge: {err}") from err
     array = (ctypes.c_int32 * len(ordinals))(*ordinals)
     message = ctypes.create_string_buffer(1024)
     status = library.JaxSparseMlaDcpSetup(
@@ -190,8 +186,6 @@ def setup_group(ordinals: Sequence[int], capacity_bytes: int, timeout_s: float) 
         len(ordinals),
         capacity_bytes,
         int(timeout_s * 1e9),
-        gather.cubin,
-        gather.meta["kernel_name"].encode(),
         merge.cubin,
         merge.meta["kernel_name"].encode(),
         message,
@@ -230,18 +224,11 @@ def dcp_check() -> None:
 
 # ---- primitives ---------------------------------------------------------------------------
 
-gather_queries_p = core.Primitive("sparse_mla_dcp_gather_queries")
-gather_queries_p.def_impl(functools.partial(dispatch.apply_primitive, gather_queries_p))
 decode_push_p = core.Primitive("sparse_mla_decode_push")
 decode_push_p.def_impl(functools.partial(dispatch.apply_primitive, decode_push_p))
 dcp_merge_p = core.Primitive("sparse_mla_dcp_merge")
 dcp_merge_p.multiple_results = True
 dcp_merge_p.def_impl(functools.partial(dispatch.apply_primitive, dcp_merge_p))
-
-
-def _gather_abstract_eval(queries, rank, step, *, dcp_size, padded, config):
-    del rank, step, dcp_size, config
-    return ShapedArray((queries.shape[0], padded, queries.shape[2]), queries.dtype)
 
 
 def _decode_push_abstract_eval(q, kv, rows, valid, scales, rank, step, **params):
@@ -257,7 +244,6 @@ def _merge_abstract_eval(token, step, *, dcp_size, batch, heads_own, config):
     )
 
 
-gather_queries_p.def_abstract_eval(_gather_abstract_eval)
 decode_push_p.def_abstract_eval(_decode_push_abstract_eval)
 dcp_merge_p.def_abstract_eval(_merge_abstract_eval)
 
@@ -289,21 +275,6 @@ def _decode_push_lowering(ctx, *operands, dcp_size, heads_own, config):
     )
 
 
-def _gather_lowering(ctx, queries, rank, step, *, dcp_size, padded, config):
-    del padded  # the result shape carries it
-    _require_setup()
-    rule = jax.ffi.ffi_lowering(GATHER_TARGET, has_side_effect=True)
-    return rule(
-        ctx,
-        queries,
-        rank,
-        step,
-        dcp_size=np.int64(dcp_size),
-        head_tile=np.int64(config.head_tile),
-        split=np.int64(config.cluster[0]),  # the decode's CTAs per head tile
-    )
-
-
 def _merge_lowering(ctx, token, step, *, dcp_size, batch, heads_own, config):
     del batch, heads_own  # the result shapes carry them
     _require_setup()
@@ -318,7 +289,6 @@ def _merge_lowering(ctx, token, step, *, dcp_size, batch, heads_own, config):
     )
 
 
-mlir.register_lowering(gather_queries_p, _gather_lowering, platform="cuda")
 mlir.register_lowering(decode_push_p, _decode_push_lowering, platform="cuda")
 mlir.register_lowering(dcp_merge_p, _merge_lowering, platform="cuda")
 
@@ -336,9 +306,9 @@ def decode_and_exchange(
     valid_hint: int | None,
     kernel_config: KernelConfig | None,
 ):
-    """The whole push exchange of one dcp_decode: every rank's query heads gathered by pushes,
-    the decode of all of them on this rank's keys pushed to the heads' owners, and the merge of
-    what this rank owns. No collective.
+    """The whole push exchange of one dcp_decode, in two kernels: the decode of every rank's
+    query heads on this rank's keys (exchanging the query heads with the other ranks' decodes
+    first) pushed to the heads' owners, and the merge of what this rank owns. No collective.
 
     queries [B, H_own, 576] float8_e4m3fn are this rank's heads (gathered head ``r * H_own +
     h`` is head h of rank r); kv [N, W], rows [B, K], valid [B], scales f32[2] as
@@ -353,6 +323,7 @@ def decode_and_exchange(
     config = kernel_config or cuda_lowering.dispatched_config(
         batch, padded, rows.shape[1], valid_hint
     )
+    config = dataclasses.replace(config, exchange=True)  # the cubin that exchanges the queries
     # The barriers keep XLA:GPU's dynamic-slice fusion from folding a slice of the operands or
     # an update of the results (e.g. a scan stacking the rows) into a clone of these calls: it
     # keeps the original too (they have side effects), so the exchange would run twice per
@@ -360,11 +331,8 @@ def decode_and_exchange(
     queries, kv, rows, valid, scales, rank, step = lax.optimization_barrier(
         (queries, kv, rows, valid, scales, rank, step)
     )
-    gathered = gather_queries_p.bind(
-        queries, rank, step, dcp_size=dcp_size, padded=padded, config=config
-    )
     token = decode_push_p.bind(
-        gathered,
+        queries,
         kv,
         rows,
         valid,

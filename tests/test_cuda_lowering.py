@@ -250,16 +250,21 @@ def test_kernel_config_forces_a_config(fake_kernel, split):
 def test_fingerprint_covers_the_kernel_but_not_the_dispatch_rule(tmp_path, monkeypatch):
     sources = tmp_path / "kernel"
     sources.mkdir()
-    for path in kernel_compile._KERNEL_DIR.glob("*.py"):
-        (sources / path.name).write_bytes(path.read_bytes())
+    (sources / "exchange").mkdir()
+    for path in kernel_compile._KERNEL_DIR.glob("**/*.py"):
+        relative = path.relative_to(kernel_compile._KERNEL_DIR)
+        (sources / relative).parent.mkdir(exist_ok=True)
+        (sources / relative).write_bytes(path.read_bytes())
     monkeypatch.setattr(kernel_compile, "_KERNEL_DIR", sources)
     before = kernel_compile.source_fingerprint()
     with open(sources / "dispatch.py", "a") as f:
         f.write("# a retuned rule\n")
     assert kernel_compile.source_fingerprint() == before
-    with open(sources / "sparse_decode.py", "a") as f:
-        f.write("# an edited kernel\n")
-    assert kernel_compile.source_fingerprint() != before
+    for edited in ("sparse_decode.py", "exchange/ptx.py"):  # the decodes use the exchange's PTX
+        with open(sources / edited, "a") as f:
+            f.write("# an edited kernel\n")
+        assert kernel_compile.source_fingerprint() != before
+        before = kernel_compile.source_fingerprint()
 
 
 def test_kernel_config_argument_errors():
@@ -275,6 +280,11 @@ def test_kernel_config_argument_errors():
             softmax_scale=0.1,
             implementation="reference",
             kernel_config=KernelConfig(split=2),
+        )
+    # The push exchange's own cubin is not a decode variant.
+    with pytest.raises(ValueError, match=r"exchange=True.*plain config"):
+        jax_sparse_mla.decode(
+            q, kv, rows, valid, softmax_scale=0.1, kernel_config=KernelConfig(exchange=True)
         )
 
 

@@ -26,7 +26,7 @@ from test_dcp import (
 )
 
 import jax_sparse_mla
-from jax_sparse_mla import push_exchange
+from jax_sparse_mla import cuda_lowering, push_exchange
 from jax_sparse_mla.dcp import dcp_decode, local_rows
 
 
@@ -211,24 +211,31 @@ def test_cuda_lowering_has_push_and_merge_and_no_all_to_all(monkeypatch):
         push_exchange._load_library()
     except (FileNotFoundError, OSError) as err:
         pytest.skip(f"handler library not installed: {err}")
+    asked = []
+    kernel_or_reason = cuda_lowering.kernel_or_reason
+
+    def recording(avals, config, valid_hint):
+        asked.append(config)
+        return kernel_or_reason(avals, config, valid_hint)
+
+    monkeypatch.setattr(cuda_lowering, "kernel_or_reason", recording)
     text = _lower_push_for_cuda(dcp=2, heads_own=16, batch=5)
+    # The decode is the dispatched config's cubin that exchanges the query heads.
+    assert len(asked) == 1 and asked[0].exchange, asked
     assert "all_to_all" not in text and "all_gather" not in text  # no collective at all
-    gather = re.search(
-        r"(%\S+) = stablehlo\.custom_call @jax_sparse_mla_dcp_gather_queries\((.*)", text
-    )
-    assert gather and "has_side_effect = true" in gather.group(0), text
-    assert "dcp_size = 2" in gather.group(0)
-    assert "(tensor<5x16x576xf8E4M3FN>, tensor<i32>, tensor<i32>) -> tensor<5x32x576xf8E4M3FN>" in (
-        gather.group(0)
-    )
+    # Two custom calls: the decode exchanges the query heads itself (no gather call).
+    assert re.findall(r"stablehlo\.custom_call @(\w+)", text) == [
+        "jax_sparse_mla_decode_push",
+        "jax_sparse_mla_dcp_merge",
+    ], text
     push = re.search(r"stablehlo\.custom_call @jax_sparse_mla_decode_push\((.*)", text)
     merge = re.search(r"(%\S+):2 = stablehlo\.custom_call @jax_sparse_mla_dcp_merge\((.*)", text)
     assert push and merge, text
     for call in (push.group(0), merge.group(0)):
         assert "has_side_effect = true" in call, call
         assert "dcp_size = 2" in call, call
-    # The decode itself pushes: the gathered q and the local cache in, a token out.
-    assert "tensor<5x32x576xf8E4M3FN>" in push.group(0)
+    # The decode itself pushes: this rank's own q heads and the local cache in, a token out.
+    assert "(tensor<5x16x576xf8E4M3FN>, tensor<" in push.group(0)
     assert "tensor<2xf32>, tensor<i32>, tensor<i32>) -> tensor<1xi32>" in push.group(0)
     assert "heads_own = 16" in push.group(0) and 'kernel_name = "' in push.group(0)
     assert "-> (tensor<5x16x512xbf16>, tensor<5x16xf32>)" in merge.group(0)
@@ -241,7 +248,6 @@ def test_cuda_lowering_has_push_and_merge_and_no_all_to_all(monkeypatch):
     assert "jax_sparse_mla_decode(" not in text  # no plain decode
     token = re.search(r"(%\S+) = stablehlo\.custom_call @jax_sparse_mla_decode_push", text).group(1)
     assert merge.group(2).startswith(token), (token, merge.group(0))
-    assert push.group(1).startswith(gather.group(1) + ","), push.group(0)[:200]  # its q
 
 
 def test_export_for_cuda_keeps_the_exchange(monkeypatch):
@@ -258,7 +264,7 @@ def test_export_for_cuda_keeps_the_exchange(monkeypatch):
     checks = jax_sparse_mla.export_disabled_checks()
     exported = jax.export.export(fn, platforms=("cuda",), disabled_checks=checks)(*args)
     text = jax.export.deserialize(exported.serialize()).mlir_module()
-    for target in ("decode_push", "dcp_gather_queries", "dcp_merge"):
+    for target in ("decode_push", "dcp_merge"):
         assert f"@jax_sparse_mla_{target}" in text, target
 
 

@@ -11,6 +11,7 @@ spills (LDL/STL) anywhere; and the disk cache / AOT command.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -22,7 +23,14 @@ from cubin_tools import cuobjdump, opcode_counts
 
 from jax_sparse_mla import aot
 from jax_sparse_mla.kernel import KernelConfig, KernelUnavailableError, compile
-from jax_sparse_mla.kernel.config import ALL_CONFIGS, PARAMS, SMEM_BYTES, SPLITS, WG_SMEM_BYTES
+from jax_sparse_mla.kernel.config import (
+    ALL_CONFIGS,
+    PARAMS,
+    PUSH_CONFIGS,
+    SMEM_BYTES,
+    SPLITS,
+    WG_SMEM_BYTES,
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +63,8 @@ def test_configs_cover_every_split():
     assert KernelConfig().split == 4  # the seed's cluster
     assert KernelConfig("wgmma") == KernelConfig("wgmma", 1)
     assert len({c.slug for c in ALL_CONFIGS}) == len(ALL_CONFIGS)
+    # One cubin per config for dcp_decode(exchange="push") too, named apart.
+    assert [c.slug for c in PUSH_CONFIGS] == [c.slug + "-push" for c in ALL_CONFIGS]
 
 
 def test_meta_matches_abi(compiled, config):
@@ -67,7 +77,7 @@ def test_meta_matches_abi(compiled, config):
     assert meta["cluster"] == [config.split * config.tiles, 1, 1]
     smem = WG_SMEM_BYTES if wgmma else SMEM_BYTES
     assert meta["arch"] == "sm_90a" and meta["smem_bytes"] == smem <= 227 * 1024
-    assert meta["config"] == {"variant": config.variant, "split": config.split}
+    assert meta["config"] == {"variant": config.variant, "split": config.split, "exchange": False}
     assert compiled.cubin[:4] == b"\x7fELF"
     assert meta["kernel_name"].encode() in compiled.cubin
 
@@ -195,9 +205,9 @@ def test_unavailable_without_dsl(tmp_path, monkeypatch):
 def test_aot_command(tmp_path, capsys):
     assert aot.main(["--arch", "sm_90a", "--out", str(tmp_path)]) == 0
     printed = capsys.readouterr().out
-    for config in ALL_CONFIGS:
+    for config in ALL_CONFIGS + PUSH_CONFIGS:
         assert config.slug in printed
-        (meta_path,) = tmp_path.glob(f"{config.slug}-*.json")
+        (meta_path,) = tmp_path.glob(f"{config.slug}-{compile.source_fingerprint()}-*.json")
         meta = json.loads(meta_path.read_text())
         assert meta["fingerprint"] == compile.source_fingerprint()
         assert meta["cluster"] == list(config.cluster)
@@ -211,3 +221,28 @@ def test_unknown_variant_or_split():
         KernelConfig(split=3)
     with pytest.raises(ValueError, match="split"):
         KernelConfig("wgmma", 16)
+
+
+@pytest.mark.parametrize("config", PUSH_CONFIGS, ids=lambda c: c.slug)
+def test_push_cubins(cache_dir, config):
+    """The push exchange's cubins: the plain ABI and launch, plus the query heads' exchange
+    (kernel/entry.py exchange_queries): 16-byte pushes, system-scope releases, bounded
+    acquire polls (timer, sleep), the timeouts' OR through shared memory (a bar.red.or there
+    faulted in cluster-mma), no local memory; the plain cubins have none of the polls."""
+    compiled = compile.get_kernel(config, cache_dir=cache_dir)
+    meta = compiled.meta
+    assert meta["params"] == list(PARAMS) and meta["config"]["exchange"] is True
+    assert meta["head_tile"] == config.head_tile and meta["cluster"] == list(config.cluster)
+    path = cache_dir / f"{config.slug}-kernel.cubin"
+    path.write_bytes(compiled.cubin)
+    sass = cuobjdump("--dump-sass", path)
+    counts = opcode_counts(sass)
+    assert "LDL" not in counts and "STL" not in counts, "local-memory spills"
+    assert "LDG.E.STRONG.SYS" in sass and "NANOSLEEP" in sass and "BAR.RED" not in sass
+    assert "STG.E.STRONG.SYS" in sass and "STG.E.128" in sass
+    usage = cuobjdump("--dump-resource-usage", path)
+    registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    assert registers <= 65536 // config.block[0], usage
+    plain = compile.get_kernel(dataclasses.replace(config, exchange=False), cache_dir=cache_dir)
+    path.write_bytes(plain.cubin)
+    assert "NANOSLEEP" not in cuobjdump("--dump-sass", path)

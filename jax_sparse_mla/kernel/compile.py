@@ -65,7 +65,10 @@ def source_fingerprint() -> str:
     """Hash of the kernel package's sources that shape a cubin; the dispatch rule is not one
     of them."""
     paths = sorted(_KERNEL_DIR.glob("*.py"))
-    return hash_sources(path for path in paths if path.name not in _NOT_COMPILED)
+    paths = [path for path in paths if path.name not in _NOT_COMPILED]
+    # The decodes' part of the push exchange uses the exchange's PTX helpers and constants.
+    exchange = _KERNEL_DIR / "exchange"
+    return hash_sources([*paths, exchange / "ptx.py", exchange / "config.py"])
 
 
 def dsl_version() -> str | None:
@@ -219,6 +222,8 @@ def compile_kernel(config: KernelConfig, fingerprint: str, version: str) -> Comp
         cutlass.Int32(config.head_tile),  # heads_own
         cutlass.Int32(0),  # latent_offset
         cutlass.Int32(0),  # lse_offset
+        cutlass.Int32(0),  # query_offset
+        cutlass.Int32(0),  # query_flags_offset
     )
     cubin, name = dsl_compile(kernel_class(config), args, PARAM_TYPES)
     meta = {

@@ -48,7 +48,7 @@ ARCH = "sm_90a"
 # The ABI of every cubin: global pointers and u32 sizes. The batch B is the grid's y extent;
 # nothing else about the shape is compiled in.
 PARAMS = (
-    "q",  # [B, Hp, ROW] u8
+    "q",  # [B, Hp, ROW] u8; with an exchange this rank's own heads [B, heads_own, ROW]
     "kv",  # [n_rows, row_bytes] u8, the first ROW bytes of each row read
     "rows",  # [B, width] i32
     "valid",  # [B] i32
@@ -68,13 +68,18 @@ PARAMS = (
     "heads_own",  # H_own, heads per rank (Hp without an exchange)
     "latent_offset",  # byte offsets of the latents and LSEs in every mailbox (0 without)
     "lse_offset",
+    # ... and of the query rows [2][B][Hp][ROW] and their flags u32[2][D][B][F] (0 without):
+    # each rank's decode pushes its own heads there and reads the others' (entry.py).
+    "query_offset",
+    "query_flags_offset",
 )
-PARAM_TYPES = ("u64",) * 7 + ("u32",) * 4 + ("u64",) * 3 + ("u32",) * 4
+PARAM_TYPES = ("u64",) * 7 + ("u32",) * 4 + ("u64",) * 3 + ("u32",) * 6
 # The mailbox header's fields the kernels read (byte offsets; ffi/dcp_exchange.cc owns them).
 HEADER_RANK = 128  # u32 this device's rank
 HEADER_HAS_LAST = 132  # u32 an exchange ran since dcp_setup
 HEADER_LAST_STEP = 136  # u32 its step
 HEADER_CLAIMED = 140  # u32 elects the writer of the error record
+HEADER_TIMEOUT = 144  # u64 ns a wait may take
 HEADER_ERROR_RECORD = 152  # u64 the host-mapped error record's device address
 MAX_BATCH = 65535  # the grid's y extent
 
@@ -103,7 +108,11 @@ WG_LIVE_OFFSET = WG_RED_OFFSET + 2 * WG_HEADS * 4  # [WG_STAGES, WG_KEYS] i32: k
 # threads arrive) and "tile consumed" (the 256 consumer threads arrive), then "P ready" and
 # "P free" (warpgroup 0's and 1's 128 threads)
 WG_BAR_OFFSET = WG_LIVE_OFFSET + WG_STAGES * WG_KEYS * 4
-WG_SMEM_BYTES = WG_BAR_OFFSET + 8 * (3 + 2 * WG_STAGES) + 8
+# u32: 1 where the push exchange's query heads of a rank did not arrive
+# (DecodeKernel.exchange_queries), kept here through the chunk loop: a register held across
+# the warpgroups' register reallocation spilled to local memory (split 1).
+WG_QUERIES_LATE_OFFSET = WG_BAR_OFFSET + 8 * (3 + 2 * WG_STAGES)
+WG_SMEM_BYTES = WG_QUERIES_LATE_OFFSET + 8
 # The cluster merge (split > 1) reuses the regions the chunk loop is done with. Each CTA
 # writes its normalised partial as F16 into an outbox in the K tiles, one block per owner
 # ([split, WG_HEADS, LATENT / split]; 16-byte pieces of a head row swizzled: piece_at),
@@ -130,10 +139,16 @@ class KernelConfig:
     ``head_tile`` heads per cluster of ``cluster[0]`` CTAs (``split`` per 16-head tile;
     cluster-mma's s2 and s4 pair two tiles); the launch grid of a call with B rows and Hp
     padded heads is (ceil(Hp / head_tile) * cluster[0], B, 1).
+
+    ``exchange``: the cubin of dcp_decode(exchange="push"), whose CTAs exchange the query
+    heads with the other ranks' decodes before they read them (``entry.exchange_queries``);
+    the plain cubin (False) has none of that code (its address arithmetic alone cost the plain
+    decode 0.06-0.24 us at B = 5, session 40). Both push partials when given a mailbox.
     """
 
     variant: str = "cluster-mma"
     split: int | None = None  # None: the variant's default (cluster-mma: 4, the seed's; wgmma: 1)
+    exchange: bool = False
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
@@ -151,7 +166,9 @@ class KernelConfig:
     @property
     def slug(self) -> str:
         """File-name stem of this config."""
-        return f"{self.variant}-h{self.head_tile}-s{self.split}"
+        return f"{self.variant}-h{self.head_tile}-s{self.split}" + (
+            "-push" if self.exchange else ""
+        )
 
     @property
     def tiles(self) -> int:
@@ -198,4 +215,6 @@ _LAUNCH = {
 ALL_CONFIGS = tuple(
     KernelConfig(variant, split) for variant, splits in VARIANTS.items() for split in splits
 )
-"""Every config the package compiles and ships."""
+"""Every plain config (what ``decode`` dispatches among)."""
+PUSH_CONFIGS = tuple(dataclasses.replace(config, exchange=True) for config in ALL_CONFIGS)
+"""Their dcp_decode(exchange="push") cubins; the package compiles and ships both."""

@@ -17,14 +17,19 @@ from jax_sparse_mla.kernel.config import (
     HEADER_HAS_LAST,
     HEADER_LAST_STEP,
     HEADER_RANK,
+    HEADER_TIMEOUT,
     LATENT,
     LN2,
+    ROW,
     KernelConfig,
 )
+from jax_sparse_mla.kernel.exchange import ptx as xptx
+from jax_sparse_mla.kernel.exchange.config import TIMEOUT_QUERIES
 
 # Error codes of the exchange's record (ffi/dcp_exchange.cc).
 REPEATED_PARITY = 2
 WRONG_RANK = 3
+QUERY_UNITS = ROW // 16  # 16-byte units of a query head
 
 
 class Destination:
@@ -80,6 +85,8 @@ class DecodeKernel:
         heads_own: Int32,
         latent_offset: Int32,
         lse_offset: Int32,
+        query_offset: Int32,
+        query_flags_offset: Int32,
     ):
         config = self.config
         tiles = (heads + config.head_tile - 1) // config.head_tile
@@ -102,6 +109,8 @@ class DecodeKernel:
             heads_own,
             latent_offset,
             lse_offset,
+            query_offset,
+            query_flags_offset,
         ).launch(
             grid=(tiles * config.split, 1, 1),
             block=config.block,
@@ -176,12 +185,125 @@ class DecodeKernel:
         """The natural-log LSE at ``address`` from its log2-unit ``lse2``."""
         ptx.store_global_f32(address, lse2 * Float32(LN2))
 
+    @cute.jit
+    def exchange_queries(
+        self,
+        mQ,
+        mExchange,
+        mRank,
+        mStep,
+        heads,
+        dcp,
+        heads_own,
+        query_offset,
+        query_flags_offset,
+        b,
+        sLate,
+        x,
+        part,
+        first_head,
+        tile_heads: int,
+        tid,
+    ):
+        """Where row b's query heads first_head .. first_head + tile_heads (shared by the
+        tile's ``split`` CTAs x - part ..) are read from, after their exchange.
+
+        Returns (ok, own, mailbox, lo, hi): 16-byte piece f (of the tile's tile_heads * 36,
+        head by head) lies at (own if lo <= f < hi else mailbox) + 16 f. Without an exchange
+        all of q [B, Hp, ROW] (own). With one, this rank's heads from q [B, H_own, ROW] (own)
+        and the others' from this device's query rows of the slot ([2][B][Hp][ROW] at
+        query_offset in the data region), where the other ranks' decodes pushed them: first
+        this CTA's share of this rank's heads among the tile's is stored into the slot's query
+        rows of every other rank and flag [slot, rank, b, x] released there (one system-scope
+        release per rank, thread p for rank p, at once; release is cumulative over the CTA's
+        stores), then flags [slot, s, b, x - part .. x - part + split) here are acquire-polled
+        for every other rank s whose heads the tile holds, bounded by the header's timeout.
+        ok is 1 when they all arrived (always without an exchange), else 0 with the error
+        (TIMEOUT_QUERIES, step, b, s) recorded. A padded head past the D ranks' reads the
+        mailbox (its result is never kept).
+
+        Only the push exchange's cubins (``KernelConfig.exchange``) call this; all the CTA's
+        threads take part. ``sLate``, a shared u32, ends as 1 - ok until the CTA writes it
+        again: it is the CTA-wide OR of the timeouts (bar.red.or here faulted with an illegal
+        address in cluster-mma, session 40, though every sanitizer passed)."""
+        if tid == 0:
+            ptx.store_shared_u32(sLate, 0)
+        ok = Int32(1)
+        own = mQ.toint() + Int64(b * heads + first_head) * ROW
+        mailbox = own
+        lo = Int32(0)
+        hi = Int32(tile_heads * QUERY_UNITS)
+        header = mExchange.toint()
+        if header != 0:
+            rank = ptx.load_global_i32(mRank.toint())
+            step = ptx.load_global_i32(mStep.toint())
+            slot, flag = step & 1, (step & 0x7FFFFFFF) + 1
+            width, batch, _ = cute.arch.grid_dim()
+            region = xptx.load_global_u64(header + Int64(rank) * 8)  # this device's
+            own_first = rank * heads_own
+            # Offset (in any rank's data region) of the tile's first head of row b in the slot.
+            row_at = (
+                Int64(query_offset) + (Int64(slot * Int32(batch) + b) * heads + first_head) * ROW
+            )
+            own = mQ.toint() + Int64(b * heads_own - own_first + first_head) * ROW
+            mailbox = region + row_at
+            lo = (own_first - first_head) * QUERY_UNITS
+            hi = lo + heads_own * QUERY_UNITS
+            if dcp > 1:  # a group of one (tests, bench_dcp --loopback) has no one to wait for
+                threads = self.config.block[0]
+                units = min(tile_heads * QUERY_UNITS, hi) - max(lo, Int32(0))
+                units = max(units, Int32(0))
+                share = (units + self.split - 1) // self.split
+                start = max(lo, Int32(0)) + part * share  # this CTA's pieces: start ..
+                end = max(lo, Int32(0)) + min(units, (part + 1) * share)
+                for f in cutlass.range(start + tid, end, threads, unroll=1):
+                    words = ptx.load_global_v4(own + Int64(f) * 16)
+                    for peer in cutlass.range(dcp, unroll=1):
+                        if peer != rank:
+                            to = xptx.load_global_u64(header + Int64(peer) * 8)
+                            ptx.store_global_v4(to + row_at + Int64(f) * 16, words)
+                cute.arch.sync_threads()
+                if (units > 0) & (tid < dcp) & (tid != rank):
+                    to = xptx.load_global_u64(header + Int64(tid) * 8)
+                    at = ((slot * dcp + rank) * Int32(batch) + b) * Int32(width) + x
+                    ptx.release_flag_sys(to + Int64(query_flags_offset) + Int64(at) * 4, flag)
+                real = dcp * heads_own
+                first_source = first_head // heads_own
+                last_source = (min(first_head + tile_heads, real) - 1) // heads_own
+                source = first_source + tid // self.split
+                late = Int32(0)
+                if (source <= last_source) & (source != rank):
+                    at = ((slot * dcp + source) * Int32(batch) + b) * Int32(width) + x - part
+                    at = at + tid % self.split
+                    flag_at = region + Int64(query_flags_offset) + Int64(at) * 4
+                    timeout = xptx.load_global_u64(header + HEADER_TIMEOUT)
+                    late = xptx.poll_flag_sys(flag_at, flag, timeout)
+                if late != 0:
+                    ptx.store_shared_u32(sLate, 1)
+                    ptx.record_failure(header, TIMEOUT_QUERIES, step, b, source)
+                cute.arch.sync_threads()
+                ok = 1 - ptx.load_shared_u32(sLate)
+        return ok, own, mailbox, lo, hi
+
     def destination(
-        self, mLatent, mLse, mExchange, mRank, mStep, dcp, heads_own, latent_offset, lse_offset, b
+        self,
+        mLatent,
+        mLse,
+        mExchange,
+        mRank,
+        mStep,
+        dcp,
+        heads_own,
+        latent_offset,
+        lse_offset,
+        b,
+        queries_ok,
     ) -> Destination:
         """Row b's Destination. With an exchange it also checks the call against the
         mailbox header: a rank other than dcp_setup's, or the previous exchange's step parity
-        (its slot may still be merged), pushes nothing (``ok`` false; see finish_push)."""
+        (its slot may still be merged), pushes nothing (``ok`` false; see finish_push); so
+        does a CTA whose peers' query heads did not arrive (``queries_ok`` 0: its error is
+        recorded already, see exchange_queries)."""
         header = mExchange.toint()
         push = header != 0
         rank = ptx.load_global_i32_if(push, mRank.toint())
@@ -195,7 +317,8 @@ class DecodeKernel:
         return Destination(
             push=push,
             plain=header == 0,
-            ok=(rank == own_rank) & alternated,
+            ok=(rank == own_rank) & alternated & (queries_ok != 0),
+            unrecorded=queries_ok != 0,  # a query timeout is recorded already
             error=ptx.where_i32(rank != own_rank, WRONG_RANK, REPEATED_PARITY),
             header=header,
             rank=rank,
@@ -239,8 +362,8 @@ class DecodeKernel:
                 if owner <= (end - 1) // dest.heads_own:
                     region = ptx.load_global_u64_if(dest.push, dest.header + Int64(owner) * 8)
                     ptx.release_flag_sys(region + flag_at, dest.flag)
-            elif (tid == 0) & (x == 0) & (dest.b == 0):
-                ptx.record_refusal(dest.header, dest.error, dest.step, dest.rank)
+            elif (tid == 0) & (x == 0) & (dest.b == 0) & dest.unrecorded:
+                ptx.record_failure(dest.header, dest.error, dest.step, 0, dest.rank)
 
     @cute.jit
     def merge_sources(self, sOutbox, sInbox, sStats, tile_heads: int, head, part, columns):

@@ -447,22 +447,23 @@ def release_flag_sys(addr, value, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def record_refusal(header, code_value, step, rank, *, loc=None, ip=None) -> None:
-    """The exchange's error record (code, step, row 0, source = rank) in host-mapped memory,
-    written once per failure: the first thread to claim the header's error word writes it
-    (layout: ffi/dcp_exchange.cc)."""
+def record_failure(header, code_value, step, row, source, *, loc=None, ip=None) -> None:
+    """The exchange's error record (code, step, row, source) in host-mapped memory, written
+    once per failure: the first thread to claim the header's error word writes it, the code
+    last (a reader that sees the code sees the rest; layout: ffi/dcp_exchange.cc)."""
     code = (
         "{ .reg .pred p; .reg .b32 old; .reg .b64 record; "
         f"atom.global.cas.b32 old, [$0+{HEADER_CLAIMED}], 0, 1; setp.eq.u32 p, old, 0; "
         f"ld.global.u64 record, [$0+{HEADER_ERROR_RECORD}]; "
         "@p st.relaxed.sys.global.u32 [record+4], $2; "
-        "@p st.relaxed.sys.global.u32 [record+8], 0; "
-        "@p st.relaxed.sys.global.u32 [record+12], $3; "
+        "@p st.relaxed.sys.global.u32 [record+8], $3; "
+        "@p st.relaxed.sys.global.u32 [record+12], $4; "
         "@p fence.sc.sys; "
         "@p st.relaxed.sys.global.u32 [record], $1; }"
     )
-    operands = [_i64(header, loc, ip)] + [_i32(v, loc, ip) for v in (code_value, step, rank)]
-    _asm(None, operands, code, "l,r,r,r,~{memory}", True, loc, ip)
+    values = (code_value, step, row, source)
+    operands = [_i64(header, loc, ip)] + [_i32(v, loc, ip) for v in values]
+    _asm(None, operands, code, "l,r,r,r,r,~{memory}", True, loc, ip)
 
 
 @dsl_user_op

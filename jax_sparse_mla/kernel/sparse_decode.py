@@ -30,7 +30,9 @@ query, and stores nothing.
 Parameters are raw pointers and i32 sizes (the ABI: PARAMS in config.py). No size is
 static: the batch is the grid's y extent, and the cache rows, index width K, padded heads and
 cache row pitch arrive as parameters, so one cubin serves every shape. Nothing is read before
-griddepcontrol.wait (PDL).
+griddepcontrol.wait (PDL). The push exchange's cubin of a config (``KernelConfig.exchange``)
+first exchanges the tile's query heads with the other ranks' decodes (``entry.py``'s
+exchange_queries).
 """
 
 from __future__ import annotations
@@ -180,6 +182,8 @@ class SparseDecode(DecodeKernel):
         heads_own: Int32,
         latent_offset: Int32,
         lse_offset: Int32,
+        query_offset: Int32,
+        query_flags_offset: Int32,
     ):
         smem = cutlass.memory.SmemAllocator()
         base = smem.allocate(SMEM_BYTES, 1024).toint()
@@ -224,12 +228,14 @@ class SparseDecode(DecodeKernel):
         # Nothing above reads the inputs: the kernel before may still be running.
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
-        if cutlass.const_expr(self.split == 8):
+        exchange = self.config.exchange
+        if cutlass.const_expr(self.split == 8 and not exchange):
             # Split 8's CTAs hold few keys: its header reads overlap the inputs' here (session
             # 28: -0.11 us at B=1 x 128 heads x 256 keys; a pair's CTAs were 0.05 us slower).
             dest = self.destination(
-                mLatent, mLse, mExchange, mRank, mStep, dcp, heads_own, latent_offset, lse_offset, b
-            )
+                mLatent, mLse, mExchange, mRank, mStep, dcp, heads_own, latent_offset,
+                lse_offset, b, Int32(1),
+            )  # fmt: skip
 
         # Keys are split interleaved (key i -> CTA i % split): where this CTA's row indices lie
         # does not depend on the count, so the first chunk's indices (and the query) are read
@@ -237,7 +243,23 @@ class SparseDecode(DecodeKernel):
         rows_base = mRows.toint() + (Int64(b) * width + part) * 4
         reach = (width - part + self.split - 1) // self.split  # this CTA's positions in rows[b]
         row = self.load_row(rows_base, min(reach, Int32(CHUNK)), 0, lane, slot)
-        query = self.load_query(mQ, b, min(tile, heads // HEADS - 1), heads, tid)
+        q_tile = min(tile, heads // HEADS - 1)
+        queries_ok = Int32(1)
+        if cutlass.const_expr(exchange):
+            # The other ranks' heads of the tile come from their decodes (and this CTA pushes
+            # its share of this rank's to them first).
+            queries_ok, q_own, q_mailbox, q_lo, q_hi = self.exchange_queries(
+                mQ, mExchange, mRank, mStep, heads, dcp, heads_own, query_offset,
+                query_flags_offset, b, sRed, x, part, q_tile * HEADS, HEADS, tid,
+            )  # fmt: skip
+            query = self.load_exchanged_query(q_own, q_mailbox, q_lo, q_hi, tid)
+            if cutlass.const_expr(self.split == 8):
+                dest = self.destination(
+                    mLatent, mLse, mExchange, mRank, mStep, dcp, heads_own, latent_offset,
+                    lse_offset, b, queries_ok,
+                )  # fmt: skip
+        else:
+            query = self.load_query(mQ, b, q_tile, heads, tid)
         scale_log2 = ptx.load_global_f32(mScales.toint())
         # Read now, used by the merge: a global load there put its latency on the critical path.
         out_scale = ptx.load_global_f32(mScales.toint() + 4)
@@ -380,8 +402,9 @@ class SparseDecode(DecodeKernel):
         l_run = [over_warps(sRedSum, r, group, quarter, lambda a, b: a + b) for r in range(2)]
         if cutlass.const_expr(self.split != 8):
             dest = self.destination(
-                mLatent, mLse, mExchange, mRank, mStep, dcp, heads_own, latent_offset, lse_offset, b
-            )
+                mLatent, mLse, mExchange, mRank, mStep, dcp, heads_own, latent_offset,
+                lse_offset, b, queries_ok,
+            )  # fmt: skip
         if cutlass.const_expr(self.clustered):
             # O / l as F16 pieces straight into their column owners' inboxes (this CTA's own
             # columns into its outbox in the free row buffers), and every CTA the stats.
@@ -544,6 +567,18 @@ class SparseDecode(DecodeKernel):
         for i in cutlass.range_constexpr(QUERY_STEPS):
             flat = min(tid + THREADS * i, Int32(HEADS * (ROW // 16) - 1))
             words.append(ptx.load_global_v4(q_base + Int64(flat) * 16))
+        return words
+
+    @cute.jit
+    def load_exchanged_query(self, own, mailbox, lo, hi, tid):
+        """load_query after exchange_queries: piece f from (own if lo <= f < hi else
+        mailbox) + 16 f (generic loads: where peers wrote them, its acquire invalidated this
+        SM's L1)."""
+        words = []
+        for i in cutlass.range_constexpr(QUERY_STEPS):
+            flat = min(tid + THREADS * i, Int32(HEADS * (ROW // 16) - 1))
+            base = ptx.where_i64((flat >= lo) & (flat < hi), own, mailbox)
+            words.append(ptx.load_global_v4(base + Int64(flat) * 16))
         return words
 
     @cute.jit

@@ -41,7 +41,8 @@ holds every kernel to); F16 products of E4M3 values are exact and accumulate in 
 Same ABI as the cluster-mma variant (PARAMS in config.py): raw pointers and i32 sizes, the
 batch as the grid's y extent, the padded heads Hp any multiple of 16 (grid x: ceil(Hp /
 WG_HEADS) * split; the heads missing from a last partial tile are neither read nor written).
-Nothing is read before griddepcontrol.wait (PDL).
+Nothing is read before griddepcontrol.wait (PDL). The push exchange's cubin
+(``KernelConfig.exchange``) exchanges the tile's query heads first, as cluster-mma's does.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ from jax_sparse_mla.kernel.config import (
     WG_OUTBOX_OFFSET,
     WG_P_OFFSET,
     WG_Q_OFFSET,
+    WG_QUERIES_LATE_OFFSET,
     WG_RED_OFFSET,
     WG_SMEM_BYTES,
     WG_STAGES,
@@ -182,6 +184,8 @@ class WgmmaDecode(DecodeKernel):
         heads_own: Int32,
         latent_offset: Int32,
         lse_offset: Int32,
+        query_offset: Int32,
+        query_flags_offset: Int32,
     ):
         smem = cutlass.memory.SmemAllocator()
         base = smem.allocate(WG_SMEM_BYTES, 1024).toint()
@@ -240,19 +244,38 @@ class WgmmaDecode(DecodeKernel):
             key = loader // COPIERS + ROW_KEYS * k  # this loader's key k of chunk 0
             rows[k] = ptx.where_i32(key < mine, rows[k], -1)
             rows_next[k] = ptx.where_i32(WG_KEYS + key < mine, rows_next[k], -1)
+        exchange = self.config.exchange
+        sLate = base + WG_QUERIES_LATE_OFFSET  # read again by the destination, at the end
+        if cutlass.const_expr(exchange):
+            # The other ranks' heads of the tile come from their decodes (and this CTA pushes
+            # its share of this rank's to them first). Before chunk 0's fetch: its registers
+            # held through the wait spilled (split 1).
+            _, q_own, q_mailbox, q_lo, q_hi = self.exchange_queries(
+                mQ, mExchange, mRank, mStep, heads, dcp, heads_own, query_offset,
+                query_flags_offset, b, sLate, x, part, tile * WG_HEADS, WG_HEADS, tid,
+            )  # fmt: skip
         staged = cute.make_rmem_tensor((KEYS_EACH * MINE * 4,), Int32)
         live = cute.make_rmem_tensor((KEYS_EACH,), Int32)  # the staged keys' flags
         for k in cutlass.range_constexpr(KEYS_EACH):  # the consumers fetch none
             self.fetch(mKV, rows, n_rows, row_bytes, staged, live, loader, k)
         # The last tile may be partial (Hp a multiple of 16): missing heads get a zero Q row
         # (their S is 0, their output is not written).
-        q_base = mQ.toint() + Int64(b) * heads * ROW
         q_words = []
-        for i in cutlass.range_constexpr(WG_HEADS * PIECES // WG_THREADS):
-            flat = tid + WG_THREADS * i
-            head = tile * WG_HEADS + flat // PIECES
-            src = q_base + (Int64(min(head, heads - 1)) * PIECES + flat % PIECES) * 16
-            q_words.append(ptx.load_global_v4(src))
+        if cutlass.const_expr(exchange):
+            # Piece f from exchange_queries' own or mailbox rows (generic loads: where peers
+            # wrote them, its acquire invalidated this SM's L1).
+            last = (heads - tile * WG_HEADS) * PIECES - 1  # the tile's last piece within Hp
+            for i in cutlass.range_constexpr(WG_HEADS * PIECES // WG_THREADS):
+                piece = min(tid + WG_THREADS * i, last)
+                source = ptx.where_i64((piece >= q_lo) & (piece < q_hi), q_own, q_mailbox)
+                q_words.append(ptx.load_global_v4(source + Int64(piece) * 16))
+        else:
+            q_base = mQ.toint() + Int64(b) * heads * ROW
+            for i in cutlass.range_constexpr(WG_HEADS * PIECES // WG_THREADS):
+                flat = tid + WG_THREADS * i
+                head = tile * WG_HEADS + flat // PIECES
+                src = q_base + (Int64(min(head, heads - 1)) * PIECES + flat % PIECES) * 16
+                q_words.append(ptx.load_global_v4(src))
         for i in cutlass.range_constexpr(WG_HEADS * PIECES // WG_THREADS):
             flat = tid + WG_THREADS * i
             head = tile * WG_HEADS + flat // PIECES
@@ -369,9 +392,13 @@ class WgmmaDecode(DecodeKernel):
         totals = [
             ptx.load_shared_f32(sTotals + (16 * warp + lane // 4 + 8 * r) * 4) for r in range(2)
         ]
+        queries_ok = Int32(1)
+        if cutlass.const_expr(exchange):
+            queries_ok = 1 - ptx.load_shared_u32(sLate)
         dest = self.destination(
-            mLatent, mLse, mExchange, mRank, mStep, dcp, heads_own, latent_offset, lse_offset, b
-        )
+            mLatent, mLse, mExchange, mRank, mStep, dcp, heads_own, latent_offset, lse_offset, b,
+            queries_ok,
+        )  # fmt: skip
         if cutlass.const_expr(self.clustered):
             sOutbox, sInbox = base + WG_OUTBOX_OFFSET, base + WG_INBOX_OFFSET
             sStats = base + WG_STATS_OFFSET

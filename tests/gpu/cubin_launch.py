@@ -91,8 +91,9 @@ class CubinKernel:
         """Launch with the ABI's seven device pointers and four sizes (n_rows, width, heads,
         row_bytes) over the grid of ``batch`` rows, as the FFI handler computes it; with the
         PDL attribute unless ``pdl`` is False. ``exchange``: the push exchange's (header, rank
-        pointer, step pointer, D, H_own, latent offset, LSE offset), or None for none (null
-        pointers; D = 1, H_own = heads, zero offsets)."""
+        pointer, step pointer, D, H_own, latent offset, LSE offset, query offset, query flags
+        offset; q then holds this rank's H_own heads), or None for none (null pointers; D = 1,
+        H_own = heads, zero offsets)."""
         meta = self.meta
         heads = sizes[2]
         config = cu.CUlaunchConfig()
@@ -112,9 +113,9 @@ class CubinKernel:
         programmatic.value.programmaticStreamSerializationAllowed = 1
         config.attrs = [cluster, programmatic] if pdl else [cluster]
         config.numAttrs = len(config.attrs)
-        values = (*pointers, *sizes, *(exchange or (0, 0, 0, 1, heads, 0, 0)))
+        values = (*pointers, *sizes, *(exchange or (0, 0, 0, 1, heads, 0, 0, 0, 0)))
         types = (ctypes.c_void_p,) * len(pointers) + (ctypes.c_int,) * len(sizes)
-        types += (ctypes.c_void_p,) * 3 + (ctypes.c_int,) * 4
+        types += (ctypes.c_void_p,) * 3 + (ctypes.c_int,) * 6
         check(cu.cuLaunchKernelEx(config, self.function, (values, types), 0))
 
 

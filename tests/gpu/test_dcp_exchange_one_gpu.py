@@ -1,24 +1,27 @@
-"""The push exchange's own kernels (the query gather and the merge) on ONE GPU.
+"""The push exchange's kernels (the pushing decodes and the merge) on ONE GPU.
 
 The exchange's kernels only see addresses: every rank's data region is listed in each rank's
 header. Here the D ranks' headers and data regions are plain allocations on one device. The
 merge: the decode CTAs' pushes are simulated by writing partials and flags into a rank's
-mailbox, that rank's merge runs alone and is compared with a numpy LSE merge. The gather: the
-D ranks' kernels run at once on D streams (each waits for the others' flags), and every
-rank's output must hold every rank's heads. Both also with a rank that never arrives (the
-timeout: NaN rows and the error record). So the kernels, their flag protocol (slot by step
-parity, flag = (step & 0x7fffffff) + 1) and their timeouts are tested without the two-GPU
-machine that test_dcp_push_gpu.py needs.
+mailbox, that rank's merge runs alone and is compared with a numpy LSE merge. The whole step:
+the D ranks' decodes (each pushing its query heads to the others and waiting for theirs, then
+pushing its partials to the owners) and merges run at once on D streams, and every rank's
+merged rows must equal the plain decodes merged in numpy. Both also with a rank that never
+arrives (the timeout: NaN rows and the error record). So the kernels, their flag protocol
+(slot by step parity, flag = (step & 0x7fffffff) + 1) and their timeouts are tested without
+the two-GPU machine that test_dcp_push_gpu.py needs (the D ranks' grids must fit the one GPU
+at once: small B).
 
-The kernels are the CuTe DSL cubins the FFI loads (``kernel/exchange``; until session 38 they
-were tested here against the hand-written PTX they replaced, bit for bit).
-Layouts as in ffi/dcp_exchange.cc (MakeLayout) and kernel/exchange/config.py.
-test_push_exchange_one_gpu.py runs the same kernels through XLA and the FFI.
+The kernels are the CuTe DSL cubins the FFI loads (``kernel/exchange``, and the decodes' part
+in ``kernel/entry.py``). Layouts as in ffi/dcp_exchange.cc (MakeLayout) and
+kernel/exchange/config.py. test_push_exchange_one_gpu.py runs the same kernels through XLA and
+the FFI.
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import pathlib
 import sys
 
@@ -35,7 +38,6 @@ from jax_sparse_mla.kernel.exchange.config import (
     LAST_STEP_OFFSET,
     LATENT,
     QUERY_ROW,
-    QUERY_UNITS,
     RANK_OFFSET,
     THREADS,
     TIMEOUT_OFFSET,
@@ -54,8 +56,8 @@ def align(value: int) -> int:
     return -(-value // REGION_ALIGN) * REGION_ALIGN
 
 
-def query_chunks(heads: int) -> int:
-    return -(-heads * QUERY_UNITS // THREADS)
+def padded_heads(dcp: int, heads: int) -> int:
+    return -(-dcp * heads // 16) * 16
 
 
 def layout(dcp: int, batch: int, heads: int, flags_per_row: int) -> dict:
@@ -63,14 +65,14 @@ def layout(dcp: int, batch: int, heads: int, flags_per_row: int) -> dict:
     latent = align(4 * 2 * dcp * batch * flags_per_row)
     lse = latent + 2 * dcp * batch * heads * LATENT * 2
     query_flags = align(lse + 2 * dcp * batch * heads * 4)
-    queries = align(query_flags + 4 * 2 * dcp * batch * query_chunks(heads))
-    size = queries + 2 * dcp * batch * heads * QUERY_ROW
+    queries = align(query_flags + 4 * 2 * dcp * batch * flags_per_row)
+    size = queries + 2 * batch * padded_heads(dcp, heads) * QUERY_ROW
     return {"latent": latent, "lse": lse, "query_flags": query_flags, "queries": queries,
             "bytes": size}  # fmt: skip
 
 
 class Device:
-    """The exchange's two kernels (the DSL cubins) and device memory."""
+    """The merge (the DSL cubin), streams and device memory."""
 
     def __init__(self):
         from cubin_launch import Context, check
@@ -81,12 +83,10 @@ class Device:
         self.cu, self.check = cu, check
         self.context = Context()
         self.streams = [self.context.stream]
-        self.functions = {}
-        for stage in ("merge", "gather"):
-            compiled = get_kernel(ExchangeKernel(stage))
-            module = check(cu.cuModuleLoadData(compiled.cubin))
-            name = compiled.meta["kernel_name"].encode()
-            self.functions[stage] = check(cu.cuModuleGetFunction(module, name))
+        compiled = get_kernel(ExchangeKernel("merge"))
+        module = check(cu.cuModuleLoadData(compiled.cubin))
+        name = compiled.meta["kernel_name"].encode()
+        self.merge = check(cu.cuModuleGetFunction(module, name))
 
     def stream(self, i: int):
         while len(self.streams) <= i:
@@ -108,10 +108,9 @@ class Device:
         self.check(self.cu.cuMemcpyDtoH(out.ctypes.data, ptr, out.nbytes))
         return out
 
-    def launch(self, stage, grid, values, types, stream: int = 0) -> None:
-        args = (values, types)
-        function, s = self.functions[stage], self.stream(stream)
-        self.check(self.cu.cuLaunchKernel(function, *grid, THREADS, 1, 1, 0, s, args, 0))
+    def launch_merge(self, grid, values, types, stream: int = 0) -> None:
+        args, s = (values, types), self.stream(stream)
+        self.check(self.cu.cuLaunchKernel(self.merge, *grid, THREADS, 1, 1, 0, s, args, 0))
 
     def synchronize(self) -> None:
         for s in self.streams:
@@ -190,7 +189,7 @@ def run_merge(device, *, dcp, rank, batch, heads, tile, split, step, latents, ls
     sizes = (batch, heads, dcp, CHUNK_HEADS, tile, split, flags_per_row)
     values = (*pointers, places["latent"], places["lse"], *sizes)
     types = (ctypes.c_void_p,) * 5 + (ctypes.c_uint64,) * 2 + (ctypes.c_uint32,) * 7
-    device.launch("merge", (-(-heads // CHUNK_HEADS), batch, 1), values, types)
+    device.launch_merge((-(-heads // CHUNK_HEADS), batch, 1), values, types)
     device.synchronize()
     bits = device.download(out_latent, (batch, heads, LATENT), np.uint16)
     rows = (bits.astype(np.uint32) << 16).view(np.float32)
@@ -257,133 +256,50 @@ def test_merge_times_out_to_nan_rows(device):
     assert words[HAS_LAST_OFFSET // 4] == 0
 
 
-# ---- the query gather ----------------------------------------------------------------------
+# ---- the whole push step: pushing decodes (query heads, then partials), merges ------------
 
 
-def run_gather(device, *, dcp, batch, heads, padded, step, arriving, timeout_ns=2_000_000_000):
-    """Every rank in ``arriving`` runs its gather at once (rank r on stream r) with its own
-    random queries; returns (queries [D, B, H, 576] u8, outputs {rank: [B, Hp, 576] u8},
-    error records {rank: u32[4]})."""
-    places = layout(dcp, batch, heads, 1)
-    _, headers, errors = mailboxes(device, dcp, places, timeout_ns)
-    rng = np.random.default_rng(dcp * 10 + heads)
-    queries = rng.integers(0, 0x7F, (dcp, batch, heads, QUERY_ROW), dtype=np.uint8)
-    outs = {}
-    for r in arriving:
-        mine = device.alloc(queries[r].nbytes)
-        device.upload(mine, queries[r])
-        outs[r] = device.alloc(batch * padded * QUERY_ROW, 0xAB)
-        pointers = (outs[r], mine, scalar(device, r), scalar(device, step), headers[r], errors[r])
-        values = (*pointers, places["query_flags"], places["queries"], batch, heads, dcp, padded)
-        types = (ctypes.c_void_p,) * 6 + (ctypes.c_uint64,) * 2 + (ctypes.c_uint32,) * 4
-        device.launch("gather", (query_chunks(heads), batch, 1), values, types, stream=r)
-    device.synchronize()
-    got = {r: device.download(outs[r], (batch, padded, QUERY_ROW), np.uint8) for r in arriving}
-    records = {r: device.download(errors[r], (4,), np.uint32) for r in arriving}
-    return queries, got, records
-
-
-# D = 3 and 8 run the gather's unrolled peer loops with a remainder (by 2) and without one
-# (by 4); 8 ranks of 16 heads are DCP8's per-rank share of 128.
-@pytest.mark.parametrize(
-    "dcp, batch, heads, padded, step",
-    [(2, 3, 16, 48, 3), (3, 2, 16, 48, 6), (4, 2, 24, 96, 2**31 + 1), (8, 5, 16, 128, 7)],
-)
-def test_gather_gives_every_rank_every_head(device, dcp, batch, heads, padded, step):
-    queries, got, records = run_gather(
-        device, dcp=dcp, batch=batch, heads=heads, padded=padded, step=step,
-        arriving=range(dcp),
-    )  # fmt: skip
-    gathered = queries.transpose(1, 0, 2, 3).reshape(batch, dcp * heads, QUERY_ROW)
-    for r in range(dcp):
-        assert np.array_equal(got[r][:, : dcp * heads], gathered), r
-        assert (got[r][:, dcp * heads :] == 0).all(), r  # the decode's padding heads
-        assert records[r][0] == 0
-
-
-def test_gather_times_out_to_nan_heads(device):
-    """Rank 1 of 2 never runs: rank 0 gives up after the timeout, its own heads in place,
-    rank 1's NaN bytes (E4M3 0x7F), and records (4, step, row, source 1)."""
-    dcp, batch, heads, padded, step = 2, 1, 16, 48, 9
-    queries, got, records = run_gather(
-        device, dcp=dcp, batch=batch, heads=heads, padded=padded, step=step, arriving=[0],
-        timeout_ns=2_000_000,
-    )  # fmt: skip
-    assert np.array_equal(got[0][:, :heads], queries[0])
-    assert (got[0][:, heads : 2 * heads] == 0x7F).all()
-    assert (got[0][:, 2 * heads :] == 0).all()
-    assert records[0].tolist() == [4, step, 0, 1]
-
-
-def test_gather_times_out_when_one_of_eight_is_missing(device):
-    """Rank 5 of 8 never runs: every other rank gives up on row 0 after the timeout, its own
-    heads in place and every peer's NaN (one late rank fails the whole row), and records
-    (4, step, row 0, source 5)."""
-    dcp, batch, heads, padded, step = 8, 1, 16, 128, 4
-    arriving = [r for r in range(dcp) if r != 5]
-    queries, got, records = run_gather(
-        device, dcp=dcp, batch=batch, heads=heads, padded=padded, step=step, arriving=arriving,
-        timeout_ns=2_000_000,
-    )  # fmt: skip
-    for r in arriving:
-        heads_of = got[r][:, : dcp * heads].reshape(batch, dcp, heads, QUERY_ROW)
-        assert np.array_equal(heads_of[:, r], queries[r]), r
-        assert (np.delete(heads_of, r, axis=1) == 0x7F).all(), r
-        assert records[r].tolist() == [4, step, 0, 5], r
-
-
-# ---- the whole push step: gather, pushing decode, merge -----------------------------------
-
-
-@pytest.mark.parametrize("dcp", [2, 4])
-@pytest.mark.parametrize(
-    "config", [KernelConfig("cluster-mma", 4), KernelConfig("wgmma", 1)], ids=lambda c: c.slug
-)
-def test_push_step_matches_plain_decodes_merged(device, config, dcp):
-    """D ranks' whole push step on one GPU, each on its own stream: the query gather, the
-    decode pushing its partials into the owners' mailboxes (the decode kernel's exchange
-    parameters, as the FFI's push target passes them), the merge. Each rank's merged rows
-    must match the plain decodes of the gathered queries on every rank's cache, merged by
-    LSE in numpy (a rank without keys for a row included). With 16 heads per rank a decode
-    tile holds the heads of 2 owners (cluster-mma's 32 heads; wgmma's 64 at D = 2) or of 4
-    (wgmma at D = 4)."""
-    from cubin_launch import CubinKernel, grid_columns, run_decode
+def run_push_step(device, config, *, dcp, batch, heads, step, arriving, timeout_ns):
+    """The ranks in ``arriving`` run their push step at once, rank r on stream r: its decode
+    of all D * ``heads`` heads on its own cache (its exchange parameters as the FFI's push
+    target passes them: it pushes its own query heads to the other ranks' decodes and waits
+    for theirs, then pushes its partials into the owners' mailboxes), then its merge. Returns
+    (queries [D, B, H, 576] fp8, caches, rows, valid, scales, {rank: (rows as f32 [B, H,
+    512], lse [B, H], error record)}); the decode is ``config``'s push cubin."""
+    from cubin_launch import CubinKernel, grid_columns
 
     from jax_sparse_mla.kernel.compile import get_kernel
 
-    batch, heads, n_rows, width, step = 2, 16, 600, 256, 7
-    padded = -(-dcp * heads // 16) * 16
-    compiled = get_kernel(config)
+    n_rows, width = 600, 256
+    padded = padded_heads(dcp, heads)
+    compiled = get_kernel(dataclasses.replace(config, exchange=True))
     kernel = CubinKernel(compiled.cubin, compiled.meta)
     flags_per_row = grid_columns(kernel, padded)
     places = layout(dcp, batch, heads, flags_per_row)
-    _, headers, errors = mailboxes(device, dcp, places, 2_000_000_000)
+    _, headers, errors = mailboxes(device, dcp, places, timeout_ns)
     rng = np.random.default_rng(5)
     queries = rng.uniform(-2, 2, (dcp, batch, heads, QUERY_ROW)).astype(ml_dtypes.float8_e4m3fn)
     caches = rng.uniform(-2, 2, (dcp, n_rows, QUERY_ROW)).astype(ml_dtypes.float8_e4m3fn)
     rows = rng.integers(-4, n_rows + 4, (dcp, batch, width)).astype(np.int32)
     # Rank 0 has no keys for row 1.
-    valid = np.array([[width, 0], [37, 200], [width, 5], [0, 128]], np.int32)[:dcp]
+    valid = rng.integers(0, width + 1, (dcp, batch)).astype(np.int32)
+    valid[:, 0] = width
+    valid[0, 1 % batch] = 0
     scales = np.array([576**-0.5 * 1.44269504, 1.25], np.float32)
     step_ptr = scalar(device, step)
-    outs = []
-    for r in range(dcp):
-        mine = device.alloc(queries[r].nbytes)
-        device.upload(mine, queries[r].view(np.uint8))
-        gathered = device.alloc(batch * padded * QUERY_ROW)
-        rank_ptr = scalar(device, r)
-        pointers = (gathered, mine, rank_ptr, step_ptr, headers[r], errors[r])
-        values = (*pointers, places["query_flags"], places["queries"], batch, heads, dcp, padded)
-        types = (ctypes.c_void_p,) * 6 + (ctypes.c_uint64,) * 2 + (ctypes.c_uint32,) * 4
-        device.launch("gather", (query_chunks(heads), batch, 1), values, types, stream=r)
+    outs = {}
+    for r in arriving:
         inputs = []
-        for array in (caches[r].view(np.uint8), rows[r], valid[r], scales):
+        for array in (queries[r].view(np.uint8), caches[r].view(np.uint8), rows[r], valid[r],
+                      scales):  # fmt: skip
             inputs.append(device.alloc(array.nbytes))
             device.upload(inputs[-1], array)
-        exchange = (headers[r], rank_ptr, step_ptr, dcp, heads, places["latent"], places["lse"])
+        rank_ptr = scalar(device, r)
+        exchange = (headers[r], rank_ptr, step_ptr, dcp, heads, places["latent"], places["lse"],
+                    places["queries"], places["query_flags"])  # fmt: skip
         kernel.launch(
-            device.stream(r), [gathered, *inputs, 0, 0], (n_rows, width, padded, QUERY_ROW),
-            batch, pdl=False, exchange=exchange,
+            device.stream(r), [*inputs, 0, 0], (n_rows, width, padded, QUERY_ROW), batch,
+            pdl=False, exchange=exchange,
         )  # fmt: skip
         out_latent = device.alloc(batch * heads * LATENT * 2, 0xFF)
         out_lse = device.alloc(batch * heads * 4, 0xFF)
@@ -392,30 +308,92 @@ def test_push_step_matches_plain_decodes_merged(device, config, dcp):
                  compiled.meta["cluster"][0], flags_per_row)  # fmt: skip
         values = (*pointers, places["latent"], places["lse"], *sizes)
         types = (ctypes.c_void_p,) * 5 + (ctypes.c_uint64,) * 2 + (ctypes.c_uint32,) * 7
-        device.launch("merge", (-(-heads // CHUNK_HEADS), batch, 1), values, types, stream=r)
-        outs.append((out_latent, out_lse))
+        device.launch_merge((-(-heads // CHUNK_HEADS), batch, 1), values, types, stream=r)
+        outs[r] = (out_latent, out_lse)
     device.synchronize()
-    for r in range(dcp):
-        assert device.download(errors[r], (4,), np.uint32)[0] == 0, r
+    merged = {}
+    for r, (out_latent, out_lse) in outs.items():
+        bits = device.download(out_latent, (batch, heads, LATENT), np.uint16)
+        latent = (bits.astype(np.uint32) << 16).view(np.float32)
+        lse = device.download(out_lse, (batch, heads), np.float32)
+        merged[r] = (latent, lse, device.download(errors[r], (4,), np.uint32))
+    return queries, caches, rows, valid, scales, merged
 
+
+CLUSTER_MMA_S4, WGMMA_S1 = KernelConfig("cluster-mma", 4), KernelConfig("wgmma", 1)
+
+
+# D = 3 (24 heads each): a rank's heads split over two tiles, 8 padded heads; D = 8: tiles of
+# two and four owners, 8 ranks of 16 heads being DCP8's per-rank share of 128 (one row: the 8
+# ranks' grids fit the GPU at once).
+@pytest.mark.parametrize(
+    "config, dcp, batch",
+    [
+        (CLUSTER_MMA_S4, 2, 2),
+        (WGMMA_S1, 2, 2),
+        (CLUSTER_MMA_S4, 3, 2),
+        (CLUSTER_MMA_S4, 4, 2),
+        (WGMMA_S1, 4, 2),
+        (KernelConfig("cluster-mma", 1), 8, 1),
+        (KernelConfig("wgmma", 8), 8, 1),
+    ],
+    ids=lambda v: v.slug if isinstance(v, KernelConfig) else str(v),
+)
+def test_push_step_matches_plain_decodes_merged(device, config, dcp, batch):
+    """D ranks' whole push step on one GPU, each on its own stream. Each rank's merged rows
+    must match the plain decodes (the config's plain cubin) of all the ranks' queries on
+    every rank's cache, merged by LSE in numpy (a rank without keys for a row included): so
+    every decode got every rank's query heads. The flags of a decode tile cover 1 owner
+    (cluster-mma s1's 16 heads at D = 8), 2 (cluster-mma s4's 32 heads; wgmma's 64 at D = 2)
+    or 4 (wgmma at D = 4 and 8)."""
+    from cubin_launch import CubinKernel, run_decode
+
+    from jax_sparse_mla.kernel.compile import get_kernel
+
+    heads, step = (24, 2**31 + 4) if dcp == 3 else (16, 7)
+    queries, caches, rows, valid, scales, merged = run_push_step(
+        device, config, dcp=dcp, batch=batch, heads=heads, step=step, arriving=range(dcp),
+        timeout_ns=2_000_000_000,
+    )  # fmt: skip
+    padded = padded_heads(dcp, heads)
+    plain = get_kernel(config)
+    kernel = CubinKernel(plain.cubin, plain.meta)
     q_all = np.zeros((batch, padded, QUERY_ROW), ml_dtypes.float8_e4m3fn)
     q_all[:, : dcp * heads] = queries.transpose(1, 0, 2, 3).reshape(batch, dcp * heads, -1)
     partials = [
         run_decode(device.context, kernel, q_all, caches[s], rows[s], valid[s], scales)
         for s in range(dcp)
     ]
-    for r, (out_latent, out_lse) in enumerate(outs):
+    for r, (rows_out, lse, record) in merged.items():
+        assert record[0] == 0, (r, record)
         own = slice(r * heads, (r + 1) * heads)
         latents = np.stack([(bits[:, own].astype(np.uint32) << 16).view(np.float32)
                             for bits, _ in partials])  # fmt: skip
         lses = np.stack([lse[:, own] for _, lse in partials])
         want_rows, want_lse = reference_merge(latents, lses)
-        bits = device.download(out_latent, (batch, heads, LATENT), np.uint16)
-        rows_out = (bits.astype(np.uint32) << 16).view(np.float32)
-        lse = device.download(out_lse, (batch, heads), np.float32)
         atol = 1e-5 * np.abs(want_rows).max()
         np.testing.assert_allclose(rows_out, want_rows, rtol=2**-7, atol=atol)
         finite = np.isfinite(want_lse)
         assert np.array_equal(np.isneginf(lse), np.isneginf(want_lse)), r
         lse_err = np.abs(lse[finite] - want_lse[finite])
         assert (lse_err <= 1e-5 * (1 + np.abs(want_lse[finite]))).all(), lse_err.max()
+
+
+@pytest.mark.parametrize(
+    "config, dcp, missing",
+    [(CLUSTER_MMA_S4, 2, 1), (WGMMA_S1, 2, 0), (KernelConfig("cluster-mma", 2), 8, 5)],
+    ids=lambda v: v.slug if isinstance(v, KernelConfig) else str(v),
+)
+def test_a_rank_that_never_runs_gives_nan_rows_and_errors(device, config, dcp, missing):
+    """Rank ``missing`` never runs: every other rank's decode gives up on its query heads
+    after the timeout, records (4, step, row 0, missing) and pushes nothing, so its merge
+    times out too and writes NaN rows and LSEs. No hang. (The timeout leaves the ranks
+    launched one after another by this process the time to arrive.)"""
+    step = 9
+    *_, merged = run_push_step(
+        device, config, dcp=dcp, batch=1, heads=16, step=step,
+        arriving=[r for r in range(dcp) if r != missing], timeout_ns=200_000_000,
+    )  # fmt: skip
+    for r, (rows_out, lse, record) in merged.items():
+        assert np.isnan(rows_out).all() and np.isnan(lse).all(), r
+        assert record.tolist() == [4, step, 0, missing], (r, record)

@@ -2,8 +2,8 @@
 itself.
 
 ``dcp_decode`` never runs this (at D = 1 it is a plain decode), but it is every part of the
-exchange that is not NVLink: ``dcp_setup``'s loads of the exchange's cubins into the device's
-context, the three custom calls' handlers with their parameters and mailbox layout, the slots
+exchange that is not NVLink: ``dcp_setup``'s load of the merge's cubin into the device's
+context, the two custom calls' handlers with their parameters and mailbox layout, the slots
 by step parity, the flags, the refusal of a repeated parity, the timeout, the error records and
 the reset. The kernels' protocol between several ranks is tested on one GPU by
 test_dcp_exchange_one_gpu.py (D ranks on D streams), across GPUs by test_dcp_push_gpu.py.
@@ -96,7 +96,7 @@ def test_loopback_equals_the_plain_decode(config):
     """Alternating steps (negative and wrapping ones too) through the jitted exchange: each
     step's merged rows are the plain decode's, bit for bit; no error recorded."""
     steps = (6, 7, 2**31 - 2, 2**31 - 1, -(2**31))  # int32 wraps around: the parity alternates
-    q, kv, rows, valid = inputs(1, len(steps), 3, 20, 150)  # 20 heads: the gather pads to 32
+    q, kv, rows, valid = inputs(1, len(steps), 3, 20, 150)  # 20 heads: the decode pads to 32
     step_fn = jax.jit(functools.partial(pushed, config=config))
     plain_fn = jax.jit(functools.partial(plain, config=config))
     for i, step in enumerate(steps):

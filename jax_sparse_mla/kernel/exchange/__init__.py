@@ -1,1 +1,1 @@
-"""The push exchange's own kernels (the query gather and the merge), in CuTe DSL."""
+"""The push exchange's own kernel (the owners' merge), in CuTe DSL."""

@@ -52,16 +52,14 @@ def compile_kernel(kernel: ExchangeKernel, fingerprint: str, version: str):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_ptr
 
-    from jax_sparse_mla.kernel.exchange.kernels import DcpGather, DcpMerge
+    from jax_sparse_mla.kernel.exchange.kernels import DcpMerge
 
     gmem = cute.AddressSpace.gmem
-    pointers = [make_ptr(cutlass.Int32, 0, gmem, assumed_align=16) for _ in range(6)]
-    pointers = pointers[: 5 if kernel.stage == "merge" else 6]
+    pointers = [make_ptr(cutlass.Int32, 0, gmem, assumed_align=16) for _ in range(5)]
     offsets = [cutlass.Int64(0), cutlass.Int64(0)]
     sizes = [cutlass.Int32(1) for kind in kernel.param_types if kind == "u32"]
-    builder = DcpMerge() if kernel.stage == "merge" else DcpGather()
     cubin, name = kernel_compile.dsl_compile(
-        builder, (*pointers, *offsets, *sizes), kernel.param_types
+        DcpMerge(), (*pointers, *offsets, *sizes), kernel.param_types
     )
     meta = {
         "kernel_name": name,

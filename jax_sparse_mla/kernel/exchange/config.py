@@ -1,11 +1,12 @@
-"""Static configuration of the push exchange's kernels (no DSL import): the mailbox header's
-layout, shared with ffi/dcp_exchange.cc and the decode kernels, and the cubins' parameter
-ABIs (the order the FFI handler passes them in).
+"""Static configuration of the push exchange's kernel (no DSL import): the mailbox header's
+layout, shared with ffi/dcp_exchange.cc and the decode kernels, and the merge cubin's
+parameter ABI (the order the FFI handler passes them in).
 
 The layout of a data region (offsets computed per call by dcp_exchange.cc's MakeLayout and
 passed as parameters): flags u32[2][D][B][F], partial latents bf16[2][D][B][H][512], partial
-LSEs f32[2][D][B][H], query flags u32[2][D][B][C], query rows fp8[2][D][B][H][576];
-``[slot][source][row]`` with slot = step & 1.
+LSEs f32[2][D][B][H] (``[slot][source][row]``), query flags u32[2][D][B][F] (``[slot][source]
+[row][decode CTA]``), query rows fp8[2][B][Hp][576] (``[slot][row][gathered head]``), with
+slot = step & 1, F the decode's CTAs per row and Hp = D * H padded to 16.
 """
 
 from __future__ import annotations
@@ -21,14 +22,13 @@ RANK_OFFSET = decode.HEADER_RANK
 HAS_LAST_OFFSET = decode.HEADER_HAS_LAST
 LAST_STEP_OFFSET = decode.HEADER_LAST_STEP
 
-THREADS = 256  # per CTA, both kernels
-QUERY_UNITS = QUERY_ROW // 16  # 16-byte units of a query head
+THREADS = 256  # per CTA
 
 # Header (bytes): u64 data[16] (every rank's data region, by rank), then the words at
 # RANK_OFFSET, HAS_LAST_OFFSET, LAST_STEP_OFFSET, CLAIMED_OFFSET (128 .. 140: kernel/config.py)
 # and these.
 CLAIMED_OFFSET = decode.HEADER_CLAIMED  # u32 elects the writer of the error record
-TIMEOUT_OFFSET = 144  # u64 ns a wait may take
+TIMEOUT_OFFSET = decode.HEADER_TIMEOUT  # u64 ns a wait may take
 
 # Error codes (kept in sync with dcp_exchange.cc and the decode kernels).
 TIMEOUT_PARTIALS = 1
@@ -39,17 +39,12 @@ MERGE_PARAMS = (
     "batch", "heads", "dcp", "chunk", "tile", "split", "flags",
 )  # fmt: skip
 MERGE_PARAM_TYPES = ("u64",) * 7 + ("u32",) * 7
-GATHER_PARAMS = (
-    "out", "queries", "rank", "step", "header", "error", "flags_offset", "rows_offset",
-    "batch", "heads", "dcp", "padded",
-)  # fmt: skip
-GATHER_PARAM_TYPES = ("u64",) * 8 + ("u32",) * 4
 
 
 @dataclasses.dataclass(frozen=True)
 class ExchangeKernel:
-    """One of the exchange's cubins: ``stage`` "merge" (dcp_merge: grid (ceil(H / chunk), B))
-    or "gather" (dcp_gather_q: grid (ceil(H * 36 / THREADS), B)), THREADS threads each."""
+    """The exchange's cubin: ``stage`` "merge" (dcp_merge: grid (ceil(H / chunk), B), THREADS
+    threads per CTA)."""
 
     stage: str
 
@@ -76,6 +71,5 @@ class ExchangeKernel:
 
 _ABI = {
     "merge": (MERGE_PARAMS, MERGE_PARAM_TYPES),
-    "gather": (GATHER_PARAMS, GATHER_PARAM_TYPES),
 }
-EXCHANGE_KERNELS = (ExchangeKernel("gather"), ExchangeKernel("merge"))
+EXCHANGE_KERNELS = (ExchangeKernel("merge"),)

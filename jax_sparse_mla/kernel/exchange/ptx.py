@@ -35,14 +35,6 @@ def load_global_cg_v4(addr, *, loc=None, ip=None) -> tuple:
 
 
 @dsl_user_op
-def load_global_nc_v4(addr, *, loc=None, ip=None) -> tuple:
-    """ld.global.nc.v4.u32: 16 bytes of a kernel input (read-only for the kernel's life)."""
-    code = "ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];"
-    words = _asm([T.i32()] * 4, [_i64(addr, loc, ip)], code, "=r,=r,=r,=r,l", True, loc, ip)
-    return tuple(Int32(w) for w in words)
-
-
-@dsl_user_op
 def store_global_u32(addr, word, *, loc=None, ip=None) -> None:
     """st.global.u32."""
     operands = [_i64(addr, loc, ip), _i32(word, loc, ip)]
