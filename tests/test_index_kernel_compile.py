@@ -165,6 +165,9 @@ def test_fingerprints_of_the_two_families_are_separate(tmp_path, monkeypatch):
     (kernel_dir / "index").mkdir(parents=True)
     for path in kernel_compile._KERNEL_DIR.glob("*.py"):
         (kernel_dir / path.name).write_bytes(path.read_bytes())
+    (kernel_dir / "exchange").mkdir()  # the decodes' fingerprint covers its PTX and config
+    for path in (kernel_compile._KERNEL_DIR / "exchange").glob("*.py"):
+        (kernel_dir / "exchange" / path.name).write_bytes(path.read_bytes())
     index_dir = pathlib.Path(index_compile.__file__).resolve().parent
     for path in index_dir.glob("*.py"):
         (kernel_dir / "index" / path.name).write_bytes(path.read_bytes())
