@@ -286,19 +286,9 @@ class DecodeKernel:
         return ok, own, mailbox, lo, hi
 
     def destination(
-        self,
-        mLatent,
-        mLse,
-        mExchange,
-        mRank,
-        mStep,
-        dcp,
-        heads_own,
-        latent_offset,
-        lse_offset,
-        b,
-        queries_ok,
-    ) -> Destination:
+        self, mLatent, mLse, mExchange, mRank, mStep, dcp, heads_own, latent_offset, lse_offset,
+        b, queries_ok,
+    ) -> Destination:  # fmt: skip
         """Row b's Destination. With an exchange it also checks the call against the
         mailbox header: a rank other than dcp_setup's, or the previous exchange's step parity
         (its slot may still be merged), pushes nothing (``ok`` false; see finish_push); so
