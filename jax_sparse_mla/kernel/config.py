@@ -142,8 +142,8 @@ class KernelConfig:
 
     ``exchange``: the cubin of dcp_decode(exchange="push"), whose CTAs exchange the query
     heads with the other ranks' decodes before they read them (``entry.exchange_queries``);
-    the plain cubin (False) has none of that code (its address arithmetic alone cost the plain
-    decode 0.06-0.24 us at B = 5, session 40). Both push partials when given a mailbox.
+    the plain cubin (False) has none of that code (in the shared cubins, skipped, it cost the
+    plain decode 0.06-0.4 us at B = 5, session 40). Both push partials when given a mailbox.
     """
 
     variant: str = "cluster-mma"
