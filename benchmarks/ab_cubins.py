@@ -39,7 +39,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "
 from cubin_launch import Buffer, Context, CubinKernel, check, grid_columns
 from cuda.bindings import driver as cu
 
-from jax_sparse_mla.kernel.config import LATENT
+from jax_sparse_mla.kernel.config import HEADER_OWN_DATA, LATENT
 
 CACHE_ROWS, WIDTH = 131072, 2048
 HEADER_BYTES = 256  # the mailbox header (ffi/dcp_exchange.cc's kHeaderBytes)
@@ -74,9 +74,10 @@ def inputs(batch: int, heads: int, keys: int) -> list[Buffer]:
 
 class OneGpuMailbox:
     """A push target of D = 1 (this GPU owns every head): a zeroed header (rank 0, no
-    previous exchange) listing one data region of the layout the FFI's push target gives
-    (flags, then the latent rows, then the LSEs; slot 0 only, step 0). With one rank there
-    are no other ranks' query heads: the query offsets are 0 and never used."""
+    previous exchange) listing one data region (as data[0] and as this device's) of the
+    layout the FFI's push target gives (flags, then the latent rows, then the LSEs; slot 0
+    only, step 0). With one rank there are no other ranks' query heads: the query offsets
+    are 0 and never used."""
 
     def __init__(self, batch: int, heads: int, flags_per_row: int):
         self.batch, self.heads = batch, heads
@@ -85,6 +86,7 @@ class OneGpuMailbox:
         self.region = Buffer(np.zeros(self.lse_offset + 2 * batch * heads * 4, np.uint8))
         header = np.zeros(HEADER_BYTES, np.uint8)
         header[:8].view(np.uint64)[0] = self.region.address
+        header[HEADER_OWN_DATA : HEADER_OWN_DATA + 8].view(np.uint64)[0] = self.region.address
         self.header = Buffer(header)
         self.rank, self.step = Buffer(np.zeros(1, np.int32)), Buffer(np.zeros(1, np.int32))
 

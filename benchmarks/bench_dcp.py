@@ -5,21 +5,21 @@
     python benchmarks/bench_dcp.py --unroll --steps 32   # no while loop: kernels back to back
     python benchmarks/bench_dcp.py --loopback       # ONE GPU: the push exchange with itself
 
-Per case (DESIGN.md's shapes per rank: B = 5 rows, the gathered heads H split over the D
-ranks, `keys` local keys per row on every rank, N = 131072 local cache rows), one jitted
-`lax.scan` of --steps decode steps runs `local_rows` + `dcp_decode` inside `jax.shard_map`
-(a new query per step, scaled from one query by a small fusion; the same global top-k
-tokens). Each call of the scan runs under the
-JAX profiler (CUPTI kernel records, host waiting between calls); per device we report the
-span of a call's kernels divided by the steps (loop overhead included; with --unroll the scan
-is unrolled, so no while loop runs between steps: XLA's GPU while loop copies its predicate to
-the host every iteration), and per kernel the
-summed duration per step (NCCL kernels include their wait for the other ranks, the push
-exchange's merge its wait for the peers' flags). The kernel path is implementation="cute": no
-fallback to the reference; the push exchange's custom calls are checked in the lowered program
-and its error records (dcp_check) after the run.
+Per case (DESIGN.md's shapes per rank: B = 5 rows, the gathered heads H split over the D ranks,
+`keys` local keys per row on every rank, N = 131072 local cache rows), one jitted `lax.scan` of
+--steps decode steps runs `local_rows` + `dcp_decode` inside `jax.shard_map` (a new query per
+step, scaled from one query by a small fusion; the same global top-k tokens). Each call of the
+scan runs under the JAX profiler (CUPTI kernel records, host waiting between calls); per device
+we report the span of a call's kernels divided by the steps (loop overhead included; with
+--unroll the scan is unrolled, so no while loop runs between steps: XLA's GPU while loop copies
+its predicate to the host every iteration), and per kernel the summed duration per step (NCCL
+kernels include their wait for the other ranks, the push exchange's merge its wait for the
+peers' flags; the merge runs under PDL beside the pushing decode, so its duration includes the
+decode's and the sums overlap: the span is the step). The kernel path is implementation="cute":
+no fallback to the reference; the push exchange's custom call is checked in the compiled
+program and its error records (dcp_check) after the run.
 
---loopback runs the push exchange's two kernels (the pushing decode, the merge) on
+--loopback runs the push exchange's custom call (the pushing decode, the merge) on
 one GPU set up as a group of one that exchanges with itself, at the cases' shapes with D = 1
 (all the heads, all the keys on the one GPU). It is not a DCP step (dcp_decode at D = 1 is a
 plain decode; nothing crosses NVLink and no peer is waited for): it times the exchange's own
@@ -152,7 +152,7 @@ def inputs(mesh: Mesh, dcp: int, batch: int, heads: int, keys: int):
 def category(name: str) -> str:
     lower = name.lower()
     if "dcpmerge" in lower:  # the exchange's cubin (its entry names the class)
-        return "push exchange: merge (incl. wait)"
+        return "push exchange: merge (incl. wait; beside the decode)"
     if "nccl" in lower:
         return "nccl " + ("all-gather" if "allgather" in lower else "all-to-all / send-recv")
     if "jax_sparse_mla" in lower:  # both variants' entries (SparseDecode, WgmmaDecode)

@@ -1,22 +1,23 @@
-// One-sided DCP exchange (dcp_decode(exchange="push")): mailboxes, setup and the merge handler.
+// One-sided DCP exchange (dcp_decode(exchange="push")): mailboxes, setup and the merge's launch.
 //
 // Setup (JaxSparseMlaDcpSetup, called eagerly from Python by jax_sparse_mla.dcp_setup, once per
 // group of D devices along the mesh axis): on each device's primary context it allocates a data
 // region (the mailbox proper, zeroed), enables peer access between all the group's devices and
 // writes the device's header: every rank's data region, this rank, the timeout, the error
-// record. The header, the host-mapped error record and the loaded merge kernel (the sm_90a
-// cubin of kernel/exchange, which dcp_setup passes in) are made once per device and kept for
-// the process: a later dcp_setup rewrites them in place, so kernel parameters captured into a
-// CUDA graph stay valid and the handlers can be command-buffer compatible. Nothing is allocated
-// in execute.
+// record, its own data region again. The header, the host-mapped error record and the loaded
+// merge kernel (the sm_90a cubin of kernel/exchange, which dcp_setup passes in) are made once
+// per device and kept for the process: a later dcp_setup rewrites them in place, so kernel
+// parameters captured into a CUDA graph stay valid and the handler can be command-buffer
+// compatible. Nothing is allocated in execute.
 //
-// The decode kernels do the rest: the decode handler's push target
-// ("jax_sparse_mla_decode_push", sparse_mla_ffi.cc) asks PushTargetFor for the header and the
-// layout; each decode CTA first pushes its share of its rank's query heads into the other
-// ranks' query rows and waits for theirs, and at its end stores its rows into the owners'
-// mailboxes and releases a flag.
-// The merge ("jax_sparse_mla_dcp_merge") takes the decode's token, so XLA keeps them in order,
-// and launches dcp_merge (grid (S, B), S = ceil(H / kChunkHeads)). A failure the kernels detect
+// The exchange is one custom call ("jax_sparse_mla_decode_push", sparse_mla_ffi.cc), whose
+// execute asks PushTargetFor for the header, the layout and the merge, launches the pushing
+// decode and then LaunchMerge on the same stream. Each decode CTA first pushes its share of its
+// rank's query heads into the other ranks' query rows and waits for theirs, and at its end
+// stores its rows into the owners' mailboxes and releases a flag. The merge (grid (S, B),
+// S = ceil(H / kChunkHeads)) runs under PDL behind the decode (one launch pair in one custom
+// call: XLA's command buffers would put two custom calls in separate graph nodes, with no
+// overlap), so its CTAs are polling before the decode ends. A failure the kernels detect
 // (timeout, repeated step parity, rank mismatch) is written to the error record; an execute that
 // sees it returns it as an error (a graph replay does not run execute: the rows are NaN either
 // way), and JaxSparseMlaDcpStatus reads it for jax_sparse_mla.dcp_check().
@@ -44,11 +45,12 @@ constexpr int kMaxRanks = 16;          // u64 data[kMaxRanks] at 0: every rank's
 constexpr size_t kRankOffset = 128;    // u32 rank, has_last, last_step, error claimed
 constexpr size_t kTimeoutOffset = 144;  // u64 timeout_ns
 constexpr size_t kErrorOffset = 152;   // u64 the host-mapped error record's device address
+constexpr size_t kOwnDataOffset = 160;  // u64 data[rank] again: one load for the kernels
 constexpr size_t kHeaderBytes = 256;
 // The decode kernels take the offsets as 32-bit parameters.
 constexpr int64_t kMaxCapacity = INT32_MAX;
 constexpr size_t kRegionAlign = 256;
-constexpr unsigned int kChunkHeads = 4;  // heads per merge CTA: one per 64 threads, one pass
+constexpr unsigned int kChunkHeads = 4;  // heads per merge CTA (the cubin's CHUNK_HEADS)
 constexpr unsigned int kThreads = 256;  // per merge CTA
 constexpr int64_t kLatent = 512;
 constexpr int64_t kQueryRow = 576;  // bytes of an FP8 query head
@@ -215,6 +217,7 @@ std::string Connect(const cu::Driver& d, Mailbox& mailbox, const std::vector<Mai
     header[kRankOffset / 8] = static_cast<uint32_t>(mailbox.rank);  // has_last = 0
     header[kTimeoutOffset / 8] = timeout_ns;
     header[kErrorOffset / 8] = mailbox.device_error;
+    header[kOwnDataOffset / 8] = mailbox.data;
     RETURN_IF_FAILED("cuMemcpyHtoD (header)", d.MemcpyHtoD(mailbox.header, header, sizeof(header)));
     RETURN_IF_FAILED("cuCtxSynchronize", d.CtxSynchronize());
     return "";
@@ -343,68 +346,7 @@ ffi::ErrorOr<Layout> CheckedLayout(const Mailbox& mailbox, int64_t batch, int64_
   return layout;
 }
 
-using LatentBuffer = ffi::Buffer<ffi::BF16, 3>;
-using LseBuffer = ffi::Buffer<ffi::F32, 2>;
-using ScalarBuffer = ffi::Buffer<ffi::S32, 0>;
-using TokenBuffer = ffi::Buffer<ffi::S32, 1>;
-
-// The merge: kThreads threads per CTA over grid (x, y).
-ffi::Error Launch(CUfunction function, cudaStream_t stream, unsigned int grid_x,
-                  unsigned int grid_y, void** params) {
-  const cu::Driver& d = cu::GetDriver().driver;
-  CUlaunchConfig config{};
-  config.gridDimX = grid_x;
-  config.gridDimY = grid_y;
-  config.gridDimZ = 1;
-  config.blockDimX = kThreads;
-  config.blockDimY = 1;
-  config.blockDimZ = 1;
-  config.hStream = stream;
-  return cu::Check(d, "cuLaunchKernelEx", d.LaunchKernelEx(&config, function, params, nullptr));
-}
-
-ffi::Error Merge(cudaStream_t stream, TokenBuffer /*token*/, ScalarBuffer step,
-                 ffi::Result<LatentBuffer> latent, ffi::Result<LseBuffer> lse, int64_t dcp_size,
-                 int64_t head_tile, int64_t split) {
-  ffi::ErrorOr<Mailbox*> found = MailboxFor(stream, dcp_size);
-  if (found.has_error()) return found.error();
-  Mailbox& mailbox = *found.value();
-  const int64_t batch = latent->dimensions()[0];
-  const int64_t heads = latent->dimensions()[1];
-  if (latent->dimensions()[2] != kLatent || lse->dimensions()[0] != batch ||
-      lse->dimensions()[1] != heads || head_tile < 1 || split < 1 || split > 8) {
-    return ffi::Error::InvalidArgument("jax_sparse_mla: merge results must be latent [B, H, " +
-                                       std::to_string(kLatent) +
-                                       "] and lse [B, H], the decode's tile and split positive");
-  }
-  const int64_t flags_per_row = dcp::FlagsPerRow(dcp_size, heads, head_tile, split);
-  ffi::ErrorOr<Layout> layout = CheckedLayout(mailbox, batch, heads, flags_per_row);
-  if (layout.has_error()) return layout.error();
-
-  void* latent_ptr = latent->untyped_data();
-  void* lse_ptr = lse->untyped_data();
-  void* step_ptr = step.untyped_data();
-  CUdeviceptr header = mailbox.header;
-  CUdeviceptr error = mailbox.device_error;
-  uint64_t latent_offset = layout.value().latent_offset;
-  uint64_t lse_offset = layout.value().lse_offset;
-  uint32_t sizes[7] = {static_cast<uint32_t>(batch),     static_cast<uint32_t>(heads),
-                       static_cast<uint32_t>(dcp_size),  kChunkHeads,
-                       static_cast<uint32_t>(head_tile), static_cast<uint32_t>(split),
-                       static_cast<uint32_t>(flags_per_row)};
-  void* params[] = {&latent_ptr, &lse_ptr,   &step_ptr,  &header,   &error,    &latent_offset,
-                    &lse_offset, &sizes[0],  &sizes[1],  &sizes[2], &sizes[3], &sizes[4],
-                    &sizes[5],   &sizes[6]};
-  return Launch(mailbox.merge, stream, static_cast<unsigned int>(Chunks(heads)),
-                static_cast<unsigned int>(batch), params);
-}
-
 }  // namespace
-
-int64_t dcp::FlagsPerRow(int64_t dcp_size, int64_t heads_own, int64_t head_tile, int64_t split) {
-  const int64_t padded = (dcp_size * heads_own + kHeadGrain - 1) / kHeadGrain * kHeadGrain;
-  return (padded + head_tile - 1) / head_tile * split;
-}
 
 ffi::ErrorOr<dcp::PushTarget> dcp::PushTargetFor(CUstream stream, int64_t dcp_size,
                                                  int64_t batch, int64_t heads_own,
@@ -416,7 +358,39 @@ ffi::ErrorOr<dcp::PushTarget> dcp::PushTargetFor(CUstream stream, int64_t dcp_si
   return PushTarget{found.value()->header, static_cast<uint32_t>(layout.value().latent_offset),
                     static_cast<uint32_t>(layout.value().lse_offset),
                     static_cast<uint32_t>(layout.value().query_offset),
-                    static_cast<uint32_t>(layout.value().query_flags_offset)};
+                    static_cast<uint32_t>(layout.value().query_flags_offset),
+                    found.value()->merge};
+}
+
+ffi::Error dcp::LaunchMerge(CUstream stream, const PushTarget& target, const MergeCall& call) {
+  const cu::Driver& d = cu::GetDriver().driver;
+  CUdeviceptr header = target.header;
+  uint64_t latent_offset = target.latent_offset;
+  uint64_t lse_offset = target.lse_offset;
+  void* latent = call.latent;
+  void* lse = call.lse;
+  void* step = call.step;
+  uint32_t sizes[6] = {static_cast<uint32_t>(call.batch),    static_cast<uint32_t>(call.heads_own),
+                       static_cast<uint32_t>(call.dcp_size), static_cast<uint32_t>(call.head_tile),
+                       static_cast<uint32_t>(call.split),
+                       static_cast<uint32_t>(call.flags_per_row)};
+  void* params[] = {&latent,   &lse,      &step,     &header,   &latent_offset, &lse_offset,
+                    &sizes[0], &sizes[1], &sizes[2], &sizes[3], &sizes[4],      &sizes[5]};
+  CUlaunchAttribute pdl{};
+  pdl.id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+  pdl.value.programmaticStreamSerializationAllowed = 1;
+  CUlaunchConfig config{};
+  config.gridDimX = static_cast<unsigned int>(Chunks(static_cast<uint64_t>(call.heads_own)));
+  config.gridDimY = static_cast<unsigned int>(call.batch);
+  config.gridDimZ = 1;
+  config.blockDimX = kThreads;
+  config.blockDimY = 1;
+  config.blockDimZ = 1;
+  config.hStream = stream;
+  config.attrs = &pdl;
+  config.numAttrs = 1;
+  return cu::Check(d, "cuLaunchKernelEx (the merge)",
+                   d.LaunchKernelEx(&config, target.merge, params, nullptr));
 }
 
 // Sets up one group (rank r is CUDA device ordinals[r]) with the merge from its cubin image
@@ -452,17 +426,3 @@ JAX_SPARSE_MLA_EXPORT int JaxSparseMlaDcpStatus(int32_t ordinal, uint32_t* recor
 JAX_SPARSE_MLA_EXPORT const char* JaxSparseMlaDcpErrorText(uint32_t code) {
   return ErrorText(code);
 }
-
-JAX_SPARSE_MLA_EXPORT XLA_FFI_Error* JaxSparseMlaDcpMerge(XLA_FFI_CallFrame* call_frame);
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaDcpMerge, Merge,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<TokenBuffer>()
-                                  .Arg<ScalarBuffer>()  // step
-                                  .Ret<LatentBuffer>()  // merged rows of this rank's heads
-                                  .Ret<LseBuffer>()
-                                  .Attr<int64_t>("dcp_size")
-                                  .Attr<int64_t>("head_tile")  // the decode's launch: which
-                                  .Attr<int64_t>("split"),     // of its CTAs' flags to await
-                              {ffi::Traits::kCmdBufferCompatible});

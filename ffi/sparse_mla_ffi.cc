@@ -19,9 +19,10 @@
 //
 // Two targets share the instantiate stage: "jax_sparse_mla_decode" (results latent, lse) and
 // "jax_sparse_mla_decode_push" (dcp_decode(exchange="push"): q is this rank's own heads [B, H_own,
-// 576], operands rank and step, attributes dcp_size and heads_own, a token result; the kernel
-// exchanges the query heads with the other ranks' decodes and stores the rows into the owners'
-// mailboxes, see dcp_exchange.cc).
+// 576], operands rank and step, attributes dcp_size and heads_own, results the merged latent
+// [B, H_own, 512] and lse [B, H_own] of this rank's heads; the kernel exchanges the query heads
+// with the other ranks' decodes and stores the rows into the owners' mailboxes, and the
+// exchange's merge follows it on the stream, see dcp_exchange.cc).
 //
 // Stages:
 // - instantiate (once per executable, while XLA builds its thunks; no stream, no device is
@@ -404,12 +405,11 @@ ffi::Error Execute(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8Buff
 }
 
 using ScalarBuffer = ffi::Buffer<ffi::S32, 0>;
-using TokenBuffer = ffi::Buffer<ffi::S32, 1>;
 
 ffi::Error ExecutePush(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8Buffer kv,
                        RowsBuffer rows, ValidBuffer valid, ScalesBuffer scales, ScalarBuffer rank,
-                       ScalarBuffer step, ffi::Result<TokenBuffer> /*token*/,
-                       ffi::Dictionary attrs) {
+                       ScalarBuffer step, ffi::Result<LatentBuffer> latent,
+                       ffi::Result<LseBuffer> lse, ffi::Dictionary attrs) {
   ffi::ErrorOr<int64_t> dcp_size = attrs.get<int64_t>("dcp_size");
   ffi::ErrorOr<int64_t> heads_own = attrs.get<int64_t>("heads_own");
   if (dcp_size.has_error() || heads_own.has_error()) {
@@ -424,10 +424,18 @@ ffi::Error ExecutePush(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8
                         std::to_string(dcp_size.value()) + " ranks (1..16)");
   }
   const int64_t batch = q.dimensions()[0];
+  if (latent->dimensions()[0] != batch || latent->dimensions()[1] != heads_own.value() ||
+      latent->dimensions()[2] != kLatent || lse->dimensions()[0] != batch ||
+      lse->dimensions()[1] != heads_own.value()) {
+    return InvalidShape("decode_push: results latent, lse disagree with q [" +
+                        std::to_string(batch) + ", " + std::to_string(heads_own.value()) +
+                        ", 576]");
+  }
   const int64_t heads =
       (dcp_size.value() * heads_own.value() + kHeadGrain - 1) / kHeadGrain * kHeadGrain;
-  ffi::ErrorOr<dcp::PushTarget> target = dcp::PushTargetFor(
-      stream, dcp_size.value(), batch, heads_own.value(), CtasPerRow(*state, heads));
+  const int64_t flags_per_row = CtasPerRow(*state, heads);
+  ffi::ErrorOr<dcp::PushTarget> target =
+      dcp::PushTargetFor(stream, dcp_size.value(), batch, heads_own.value(), flags_per_row);
   if (target.has_error()) return target.error();
   Outputs out;
   out.exchange = reinterpret_cast<void*>(target.value().header);
@@ -439,7 +447,15 @@ ffi::Error ExecutePush(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8
   out.lse_offset = static_cast<int32_t>(target.value().lse_offset);
   out.query_offset = static_cast<int32_t>(target.value().query_offset);
   out.query_flags_offset = static_cast<int32_t>(target.value().query_flags_offset);
-  return Launch(stream, state, q, kv, rows, valid, scales, heads, out);
+  if (ffi::Error error = Launch(stream, state, q, kv, rows, valid, scales, heads, out);
+      error.failure()) {
+    return error;
+  }
+  // The owners' merge awaits the flags of this launch's CTAs: its tile and CTAs per tile.
+  const dcp::MergeCall merge{latent->untyped_data(), lse->untyped_data(), step.untyped_data(),
+                             dcp_size.value(),       batch,               heads_own.value(),
+                             state->head_tile,       state->cluster[0],   flags_per_row};
+  return dcp::LaunchMerge(stream, target.value(), merge);
 }
 
 }  // namespace
@@ -484,7 +500,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaDecodePushExecute, ExecutePush,
                                   .Arg<ScalesBuffer>()                       // scales
                                   .Arg<ScalarBuffer>()                       // rank
                                   .Arg<ScalarBuffer>()                       // step
-                                  .Ret<TokenBuffer>()  // orders the owners' merge after it
+                                  .Ret<LatentBuffer>()  // merged rows of this rank's heads
+                                  .Ret<LseBuffer>()
                                   .Attrs(),  // launch spec, dcp_size, heads_own
                               {ffi::Traits::kCmdBufferCompatible});
 

@@ -1,12 +1,14 @@
 """The one-sided DCP exchange (``dcp_decode(exchange="push")``) on CUDA GPUs of one process.
 
-Two kernels per exchange, no collective and no copy kernel. The decode kernel itself pushes:
+One custom call per exchange that launches two kernels, no collective and no copy kernel. The
+decode kernel itself pushes:
 each CTA first stores its share of this rank's query heads of its tile into the other ranks'
 mailboxes and releases a flag there, then acquire-polls (bounded) the flags of the other ranks'
 heads its tile holds and reads them from its own mailbox; after its keys it stores its result
 rows straight into the owners' mailboxes on the owners' GPUs (plain stores over NVLink) and
-releases one flag per owner at system scope. The owner's merge kernel acquire-polls the flags
-of the CTAs that hold its heads with a bounded wait and merges by LSE into the final rows. The
+releases one flag per owner at system scope. The owner's merge kernel, launched behind it
+under PDL (its CTAs start while the decode runs), acquire-polls the flags of the CTAs that hold
+its heads with a bounded wait and merges by LSE into the final rows. The
 mailboxes belong to the FFI library (``ffi/dcp_exchange.cc``):
 ``dcp_setup`` allocates, zeroes and peer-maps them eagerly, once, before the first call;
 nothing is allocated while a program runs.
@@ -58,7 +60,6 @@ __all__ = [
     "decode_and_exchange",
 ]
 
-MERGE_TARGET = "jax_sparse_mla_dcp_merge"
 DEFAULT_CAPACITY_BYTES = 64 << 20
 """Mailbox bytes per device: about ``2 * D * B * H_own * 1604`` are needed (two slots; D
 sources' bf16 rows and f32 LSEs; every rank's FP8 query heads; a few flags per row), so the
@@ -75,14 +76,9 @@ _library: ctypes.CDLL | None = None
 _ready_ordinals: set[int] = set()  # CUDA devices with a mailbox, for dcp_check
 
 
-def export_disabled_checks() -> tuple[jax.export.DisabledSafetyCheck, ...]:
-    """The ``disabled_checks`` that let ``jax.export`` serialize the exchange's own custom
-    call (the merge; the pushing decode's is ``cuda_lowering``'s)."""
-    return (jax.export.DisabledSafetyCheck.custom_call(MERGE_TARGET),)
-
-
 def _load_library() -> ctypes.CDLL:
-    """The handler library with the exchange's targets registered for CUDA (once)."""
+    """The handler library with the exchange's setup and status entries typed (once; its
+    custom call target, the pushing decode, is registered by ``cuda_lowering``)."""
     global _library
     with _LOCK:
         if _library is None:
@@ -103,8 +99,6 @@ def _load_library() -> ctypes.CDLL:
                 ctypes.c_int32,
                 ctypes.POINTER(ctypes.c_uint32),
             ]
-            merge = jax.ffi.pycapsule(library.JaxSparseMlaDcpMerge)
-            jax.ffi.register_ffi_target(MERGE_TARGET, merge, platform="CUDA")
             _library = library
         return _library
 
@@ -224,20 +218,15 @@ def dcp_check() -> None:
 
 # ---- primitives ---------------------------------------------------------------------------
 
+# The whole exchange: the pushing decode and the owners' merge, one custom call.
 decode_push_p = core.Primitive("sparse_mla_decode_push")
+decode_push_p.multiple_results = True
 decode_push_p.def_impl(functools.partial(dispatch.apply_primitive, decode_push_p))
-dcp_merge_p = core.Primitive("sparse_mla_dcp_merge")
-dcp_merge_p.multiple_results = True
-dcp_merge_p.def_impl(functools.partial(dispatch.apply_primitive, dcp_merge_p))
 
 
 def _decode_push_abstract_eval(q, kv, rows, valid, scales, rank, step, **params):
-    del q, kv, rows, valid, scales, rank, step, params
-    return ShapedArray((1,), jnp.int32)
-
-
-def _merge_abstract_eval(token, step, *, dcp_size, batch, heads_own, config):
-    del token, step, dcp_size, config
+    del kv, rows, valid, scales, rank, step, params
+    batch, heads_own, _ = q.shape
     return (
         ShapedArray((batch, heads_own, LATENT), jnp.bfloat16),
         ShapedArray((batch, heads_own), jnp.float32),
@@ -245,7 +234,6 @@ def _merge_abstract_eval(token, step, *, dcp_size, batch, heads_own, config):
 
 
 decode_push_p.def_abstract_eval(_decode_push_abstract_eval)
-dcp_merge_p.def_abstract_eval(_merge_abstract_eval)
 
 
 def _require_setup() -> None:
@@ -275,22 +263,7 @@ def _decode_push_lowering(ctx, *operands, dcp_size, heads_own, config):
     )
 
 
-def _merge_lowering(ctx, token, step, *, dcp_size, batch, heads_own, config):
-    del batch, heads_own  # the result shapes carry them
-    _require_setup()
-    rule = jax.ffi.ffi_lowering(MERGE_TARGET, has_side_effect=True)
-    return rule(
-        ctx,
-        token,
-        step,
-        dcp_size=np.int64(dcp_size),
-        head_tile=np.int64(config.head_tile),
-        split=np.int64(config.cluster[0]),  # the decode's CTAs per head tile
-    )
-
-
 mlir.register_lowering(decode_push_p, _decode_push_lowering, platform="cuda")
-mlir.register_lowering(dcp_merge_p, _merge_lowering, platform="cuda")
 
 
 def decode_and_exchange(
@@ -306,9 +279,10 @@ def decode_and_exchange(
     valid_hint: int | None,
     kernel_config: KernelConfig | None,
 ):
-    """The whole push exchange of one dcp_decode, in two kernels: the decode of every rank's
-    query heads on this rank's keys (exchanging the query heads with the other ranks' decodes
-    first) pushed to the heads' owners, and the merge of what this rank owns. No collective.
+    """The whole push exchange of one dcp_decode, one custom call of two kernels: the decode
+    of every rank's query heads on this rank's keys (exchanging the query heads with the other
+    ranks' decodes first) pushed to the heads' owners, and the merge of what this rank owns
+    (under PDL behind the decode). No collective.
 
     queries [B, H_own, 576] float8_e4m3fn are this rank's heads (gathered head ``r * H_own +
     h`` is head h of rank r); kv [N, W], rows [B, K], valid [B], scales f32[2] as
@@ -319,19 +293,19 @@ def decode_and_exchange(
     """
     batch, heads_own, _ = queries.shape
     padded = -(-dcp_size * heads_own // HEAD_TILE) * HEAD_TILE
-    # Chosen here, not at lowering: the merge must know the decode's launch (whose flags).
+    # Chosen here, not at lowering: the rule needs the gathered heads (Hp), q holds H_own.
     config = kernel_config or cuda_lowering.dispatched_config(
         batch, padded, rows.shape[1], valid_hint
     )
     config = dataclasses.replace(config, exchange=True)  # the cubin that exchanges the queries
     # The barriers keep XLA:GPU's dynamic-slice fusion from folding a slice of the operands or
     # an update of the results (e.g. a scan stacking the rows) into a clone of these calls: it
-    # keeps the original too (they have side effects), so the exchange would run twice per
-    # step (seen on the H200 with the first exchange design: the second merge timed out).
+    # keeps the original too (it has side effects), so the exchange would run twice per step
+    # (seen on the H200 with the first exchange design: the second merge timed out).
     queries, kv, rows, valid, scales, rank, step = lax.optimization_barrier(
         (queries, kv, rows, valid, scales, rank, step)
     )
-    token = decode_push_p.bind(
+    merged = decode_push_p.bind(
         queries,
         kv,
         rows,
@@ -342,9 +316,6 @@ def decode_and_exchange(
         dcp_size=dcp_size,
         heads_own=heads_own,
         config=config,
-    )
-    merged = dcp_merge_p.bind(
-        token, step, dcp_size=dcp_size, batch=batch, heads_own=heads_own, config=config
     )
     latent, lse = lax.optimization_barrier(tuple(merged))
     return latent, lse

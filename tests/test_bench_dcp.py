@@ -19,7 +19,7 @@ def bench(load_script):
 
 
 def test_the_exchange_kernels_are_not_counted_as_the_decode(bench):
-    assert bench.category(MERGE) == "push exchange: merge (incl. wait)"
+    assert bench.category(MERGE) == "push exchange: merge (incl. wait; beside the decode)"
     for name in DECODES:
         assert bench.category(name).startswith("decode kernel"), name
     assert bench.category("ncclDevKernel_AllGather_RING_LL").startswith("nccl all-gather")

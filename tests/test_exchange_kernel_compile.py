@@ -4,7 +4,8 @@ to an sm_90a cubin with its ABI, and the layout constants mirror ffi/dcp_exchang
 The cubin is compiled with nvidia-cutlass-dsl into a fresh disk cache. Its own parameter table
 (cuobjdump's EIATTR_KPARAM_INFO) matches ``ExchangeKernel``'s ABI, the order the FFI handler
 passes; the SASS: bounded system-scope polls (acquire loads, the timer, a sleep), the CTA-wide
-OR that turns one waiter's timeout into everyone's, no local memory. Its behaviour on a GPU:
+OR that turns one waiter's timeout into everyone's, the PDL wait before its stores, no local
+memory. Its behaviour on a GPU:
 tests/gpu/test_dcp_exchange_one_gpu.py (the decodes' part of the exchange there too).
 """
 
@@ -29,7 +30,9 @@ def _ffi_constant(name: str) -> int:
 def test_layout_mirrors_the_ffi():
     assert _ffi_constant("kRankOffset") == config.RANK_OFFSET
     assert _ffi_constant("kTimeoutOffset") == config.TIMEOUT_OFFSET
+    assert _ffi_constant("kOwnDataOffset") == config.OWN_DATA_OFFSET
     assert _ffi_constant("kThreads") == config.THREADS
+    assert _ffi_constant("kChunkHeads") == config.CHUNK_HEADS
     assert _ffi_constant("kLatent") == config.LATENT
     assert _ffi_constant("kQueryRow") == config.QUERY_ROW
     assert _ffi_constant("kTimeout") == config.TIMEOUT_PARTIALS
@@ -98,5 +101,6 @@ def test_sass(cubin_path, kernel):
     assert not re.search(r"\b(LDL|STL)\b", sass), "local memory"
     assert re.search(r"\bLDG\.E\.STRONG\.SYS\b", sass), "the polls' system-scope acquire loads"
     assert "NANOSLEEP" in sass and "BAR.RED.OR" in sass
+    assert "ACQBULK" in sass, "griddepcontrol.wait (launched under PDL)"
     assert re.search(r"\bATOMG\.E\.CAS\b", sass), "the error record's claim"
     assert "MUFU.EX2" in sass and "MUFU.LG2" in sass and "FMNMX.NAN" in sass

@@ -16,7 +16,7 @@ from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib.mlir import ir
 
 import jax_sparse_mla
-from jax_sparse_mla import cuda_lowering, index_lowering, index_primitive, push_exchange
+from jax_sparse_mla import cuda_lowering, index_lowering, index_primitive
 from jax_sparse_mla.kernel import compile as kernel_compile
 from jax_sparse_mla.kernel.config import PARAMS, KernelConfig, KernelUnavailableError
 from jax_sparse_mla.kernel.dispatch import active_clusters
@@ -392,7 +392,6 @@ def test_export_a_model_step_with_the_library_checks(handler, same_kernels, monk
     checks = jax_sparse_mla.export_disabled_checks()
     assert set(checks) >= {
         *cuda_lowering.export_disabled_checks(),
-        *push_exchange.export_disabled_checks(),
         *index_lowering.export_disabled_checks(),
     }
     exported = jax.export.export(step, platforms=("cuda",), disabled_checks=checks)(*args)

@@ -81,6 +81,7 @@ HEADER_LAST_STEP = 136  # u32 its step
 HEADER_CLAIMED = 140  # u32 elects the writer of the error record
 HEADER_TIMEOUT = 144  # u64 ns a wait may take
 HEADER_ERROR_RECORD = 152  # u64 the host-mapped error record's device address
+HEADER_OWN_DATA = 160  # u64 this device's data region (data[rank], without waiting for rank)
 MAX_BATCH = 65535  # the grid's y extent
 
 

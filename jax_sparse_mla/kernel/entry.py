@@ -16,6 +16,7 @@ from jax_sparse_mla.kernel import ptx
 from jax_sparse_mla.kernel.config import (
     HEADER_HAS_LAST,
     HEADER_LAST_STEP,
+    HEADER_OWN_DATA,
     HEADER_RANK,
     HEADER_TIMEOUT,
     LATENT,
@@ -239,7 +240,7 @@ class DecodeKernel:
             step = ptx.load_global_i32(mStep.toint())
             slot, flag = step & 1, (step & 0x7FFFFFFF) + 1
             width, batch, _ = cute.arch.grid_dim()
-            region = xptx.load_global_u64(header + Int64(rank) * 8)  # this device's
+            region = xptx.load_global_u64(header + HEADER_OWN_DATA)  # not after the rank's
             own_first = rank * heads_own
             # Offset (in any rank's data region) of the tile's first head of row b in the slot.
             row_at = (

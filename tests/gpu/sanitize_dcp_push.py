@@ -91,7 +91,7 @@ def main() -> None:
         latent = np.asarray(timing_out(q, kv, rows, valid, jnp.int32(0))[0].astype(jnp.float32))
         assert np.isnan(latent).all()
         print("sanitize_dcp_push: timeout path gave NaN rows")
-    except Exception as error:  # the merge's execute may already see the error record
+    except Exception as error:  # the next exchange's execute may see the record
         assert "timed out" in str(error), error
         print("sanitize_dcp_push: timeout path raised:", str(error)[:120])
 

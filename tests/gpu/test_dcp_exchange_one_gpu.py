@@ -33,10 +33,12 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # cubin_launch
 
 from jax_sparse_mla.kernel.config import KernelConfig
 from jax_sparse_mla.kernel.exchange.config import (
+    CHUNK_HEADS,
     CLAIMED_OFFSET,
     HAS_LAST_OFFSET,
     LAST_STEP_OFFSET,
     LATENT,
+    OWN_DATA_OFFSET,
     QUERY_ROW,
     RANK_OFFSET,
     THREADS,
@@ -46,7 +48,6 @@ from jax_sparse_mla.kernel.exchange.config import (
 
 pytestmark = pytest.mark.gpu
 
-CHUNK_HEADS = 4  # dcp_exchange.cc's kChunkHeads: heads per merge CTA
 REGION_ALIGN = 256
 HEADER_BYTES = 256
 ERROR_OFFSET = 152  # u64 the error record's address (dcp_exchange.cc's kErrorOffset)
@@ -108,9 +109,21 @@ class Device:
         self.check(self.cu.cuMemcpyDtoH(out.ctypes.data, ptr, out.nbytes))
         return out
 
-    def launch_merge(self, grid, values, types, stream: int = 0) -> None:
-        args, s = (values, types), self.stream(stream)
-        self.check(self.cu.cuLaunchKernel(self.merge, *grid, THREADS, 1, 1, 0, s, args, 0))
+    def launch_merge(self, grid, output, step, header, places, sizes, stream: int = 0) -> None:
+        """The merge of ``sizes`` (B, H_own, D, the decode's head tile, split, CTAs per row)
+        into ``output`` (latent, lse pointers), under PDL as the FFI launches it."""
+        cu = self.cu
+        config = cu.CUlaunchConfig()
+        config.gridDimX, config.gridDimY, config.gridDimZ = grid
+        config.blockDimX, config.blockDimY, config.blockDimZ = THREADS, 1, 1
+        config.hStream = self.stream(stream)
+        pdl = cu.CUlaunchAttribute()
+        pdl.id = cu.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+        pdl.value.programmaticStreamSerializationAllowed = 1
+        config.attrs, config.numAttrs = [pdl], 1
+        values = (*output, step, header, places["latent"], places["lse"], *sizes)
+        types = (ctypes.c_void_p,) * 4 + (ctypes.c_uint64,) * 2 + (ctypes.c_uint32,) * 6
+        self.check(cu.cuLaunchKernelEx(config, self.merge, (values, types), 0))
 
     def synchronize(self) -> None:
         for s in self.streams:
@@ -124,7 +137,7 @@ def device():
 
 def mailboxes(device, dcp, places, timeout_ns):
     """D data regions, error records and headers (each listing every region, its rank, the
-    timeout and its error record), as dcp_setup makes them."""
+    timeout, its error record and its own region again), as dcp_setup makes them."""
     regions = [device.alloc(places["bytes"]) for _ in range(dcp)]
     errors = [device.alloc(16) for _ in range(dcp)]
     headers = []
@@ -134,6 +147,7 @@ def mailboxes(device, dcp, places, timeout_ns):
         header[RANK_OFFSET : RANK_OFFSET + 4].view(np.uint32)[0] = r
         header[TIMEOUT_OFFSET : TIMEOUT_OFFSET + 8].view(np.uint64)[0] = timeout_ns
         header[ERROR_OFFSET : ERROR_OFFSET + 8].view(np.uint64)[0] = errors[r]
+        header[OWN_DATA_OFFSET : OWN_DATA_OFFSET + 8].view(np.uint64)[0] = regions[r]
         headers.append(device.alloc(HEADER_BYTES))
         device.upload(headers[-1], header)
     return regions, headers, errors
@@ -185,11 +199,10 @@ def run_merge(device, *, dcp, rank, batch, heads, tile, split, step, latents, ls
     out_latent = device.alloc(batch * heads * LATENT * 2, 0xFF)
     out_lse = device.alloc(batch * heads * 4, 0xFF)
     error = errors[rank]
-    pointers = (out_latent, out_lse, scalar(device, step), headers[rank], error)
-    sizes = (batch, heads, dcp, CHUNK_HEADS, tile, split, flags_per_row)
-    values = (*pointers, places["latent"], places["lse"], *sizes)
-    types = (ctypes.c_void_p,) * 5 + (ctypes.c_uint64,) * 2 + (ctypes.c_uint32,) * 7
-    device.launch_merge((-(-heads // CHUNK_HEADS), batch, 1), values, types)
+    device.launch_merge(
+        (-(-heads // CHUNK_HEADS), batch, 1), (out_latent, out_lse), scalar(device, step),
+        headers[rank], places, (batch, heads, dcp, tile, split, flags_per_row),
+    )  # fmt: skip
     device.synchronize()
     bits = device.download(out_latent, (batch, heads, LATENT), np.uint16)
     rows = (bits.astype(np.uint32) << 16).view(np.float32)
@@ -303,12 +316,12 @@ def run_push_step(device, config, *, dcp, batch, heads, step, arriving, timeout_
         )  # fmt: skip
         out_latent = device.alloc(batch * heads * LATENT * 2, 0xFF)
         out_lse = device.alloc(batch * heads * 4, 0xFF)
-        pointers = (out_latent, out_lse, step_ptr, headers[r], errors[r])
-        sizes = (batch, heads, dcp, CHUNK_HEADS, compiled.meta["head_tile"],
-                 compiled.meta["cluster"][0], flags_per_row)  # fmt: skip
-        values = (*pointers, places["latent"], places["lse"], *sizes)
-        types = (ctypes.c_void_p,) * 5 + (ctypes.c_uint64,) * 2 + (ctypes.c_uint32,) * 7
-        device.launch_merge((-(-heads // CHUNK_HEADS), batch, 1), values, types, stream=r)
+        sizes = (batch, heads, dcp, compiled.meta["head_tile"], compiled.meta["cluster"][0],
+                 flags_per_row)  # fmt: skip
+        device.launch_merge(
+            (-(-heads // CHUNK_HEADS), batch, 1), (out_latent, out_lse), step_ptr, headers[r],
+            places, sizes, stream=r,
+        )  # fmt: skip
         outs[r] = (out_latent, out_lse)
     device.synchronize()
     merged = {}

@@ -122,7 +122,7 @@ def test_push_matches_collectives_and_truth(mesh):
     step_fn = both_exchanges(mesh)
     args = (q, shard_flat_cache(kv_global, DCP), jnp.asarray(tokens), table)
     hlo = step_fn.lower(*args, jnp.int32(0)).as_text()
-    assert "jax_sparse_mla_decode_push" in hlo and "jax_sparse_mla_dcp_merge" in hlo
+    assert "jax_sparse_mla_decode_push" in hlo and "jax_sparse_mla_dcp_merge" not in hlo
     assert "jax_sparse_mla_decode" in hlo
     push_latent, push_lse, latent, lse = step_fn(*args, jnp.int32(0))
     jax_sparse_mla.dcp_check()
@@ -262,8 +262,8 @@ def test_scan_stacking_the_rows(mesh):
 
 
 def expect_failure(results, cause: str) -> None:
-    """A failed exchange surfaces either when its results are used (the merge's execute saw
-    the push's error record in time) or as NaN rows that dcp_check then reports."""
+    """A failed exchange surfaces either when its results are used (a later exchange's
+    execute saw the error record in time) or as NaN rows that dcp_check then reports."""
     try:
         values = [np.asarray(x.astype(jnp.float32)) for x in results]
     except Exception as error:  # XLA's runtime error type differs between jax versions

@@ -55,7 +55,8 @@ def compile_kernel(kernel: ExchangeKernel, fingerprint: str, version: str):
     from jax_sparse_mla.kernel.exchange.kernels import DcpMerge
 
     gmem = cute.AddressSpace.gmem
-    pointers = [make_ptr(cutlass.Int32, 0, gmem, assumed_align=16) for _ in range(5)]
+    # latent, lse, step, header (config.MERGE_PARAMS), then two byte offsets and the sizes
+    pointers = [make_ptr(cutlass.Int32, 0, gmem, assumed_align=16) for _ in range(4)]
     offsets = [cutlass.Int64(0), cutlass.Int64(0)]
     sizes = [cutlass.Int32(1) for kind in kernel.param_types if kind == "u32"]
     cubin, name = kernel_compile.dsl_compile(

@@ -23,22 +23,24 @@ HAS_LAST_OFFSET = decode.HEADER_HAS_LAST
 LAST_STEP_OFFSET = decode.HEADER_LAST_STEP
 
 THREADS = 256  # per CTA
+CHUNK_HEADS = 4  # heads per merge CTA (dcp_exchange.cc's kChunkHeads): one per 64 threads
 
 # Header (bytes): u64 data[16] (every rank's data region, by rank), then the words at
 # RANK_OFFSET, HAS_LAST_OFFSET, LAST_STEP_OFFSET, CLAIMED_OFFSET (128 .. 140: kernel/config.py)
 # and these.
 CLAIMED_OFFSET = decode.HEADER_CLAIMED  # u32 elects the writer of the error record
 TIMEOUT_OFFSET = decode.HEADER_TIMEOUT  # u64 ns a wait may take
+OWN_DATA_OFFSET = decode.HEADER_OWN_DATA  # u64 this device's data region
 
 # Error codes (kept in sync with dcp_exchange.cc and the decode kernels).
 TIMEOUT_PARTIALS = 1
 TIMEOUT_QUERIES = 4
 
 MERGE_PARAMS = (
-    "latent", "lse", "step", "header", "error", "latent_offset", "lse_offset",
-    "batch", "heads", "dcp", "chunk", "tile", "split", "flags",
+    "latent", "lse", "step", "header", "latent_offset", "lse_offset",
+    "batch", "heads", "dcp", "tile", "split", "flags",
 )  # fmt: skip
-MERGE_PARAM_TYPES = ("u64",) * 7 + ("u32",) * 7
+MERGE_PARAM_TYPES = ("u64",) * 6 + ("u32",) * 6
 
 
 @dataclasses.dataclass(frozen=True)

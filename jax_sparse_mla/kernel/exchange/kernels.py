@@ -5,11 +5,14 @@ other ranks and waits for theirs before it reads its tile's queries, and after i
 stores its rows into the owners' mailboxes and releases one flag per owner. Layouts:
 ``exchange/config.py``.
 
-DcpMerge, grid (S, B), S = ceil(H / chunk): CTA (s, b) polls, for each source, the flags of
-the decode CTAs whose tiles hold the chunk's heads (acquire, system scope, bounded), merges
-the D partials by LSE (FP32) into BF16 rows and FP32 natural-log LSEs; CTA (0, 0) records
-the step (the next decode refuses a step of the same parity). On a timeout: NaN rows and
-LSEs for the chunk and the error record (1, step, b, source).
+DcpMerge, grid (S, B), S = ceil(H / CHUNK_HEADS), launched under PDL right behind the
+decode: CTA (s, b) polls, for each source, the flags of the decode CTAs whose tiles hold the
+chunk's heads (acquire, system scope, bounded) while the decode still runs, merges the D
+partials by LSE (FP32) into BF16 rows and FP32 natural-log LSEs, and stores them once the
+decode has finished (griddepcontrol.wait: XLA may give the merge's results the memory of a
+buffer the decode reads); CTA (0, 0) records the step (the next decode refuses a step of the
+same parity). On a timeout: NaN rows and LSEs for the chunk and the error record (1, step, b,
+source).
 
 A flag holds (step & 0x7fffffff) + 1 (never 0, the zeroed value) and stays after use: the
 next use of a slot waits for a different value.
@@ -26,9 +29,11 @@ from cutlass import Float32, Int32, Int64
 from jax_sparse_mla.kernel import ptx
 from jax_sparse_mla.kernel.exchange import ptx as xptx
 from jax_sparse_mla.kernel.exchange.config import (
+    CHUNK_HEADS,
     HAS_LAST_OFFSET,
     LAST_STEP_OFFSET,
     LATENT,
+    OWN_DATA_OFFSET,
     RANK_OFFSET,
     THREADS,
     TIMEOUT_OFFSET,
@@ -36,7 +41,7 @@ from jax_sparse_mla.kernel.exchange.config import (
 )
 
 ROW_UNITS = LATENT * 2 // 16  # 16-byte units of a merged BF16 row
-HEADS_PER_PASS = THREADS // ROW_UNITS
+assert THREADS // ROW_UNITS == CHUNK_HEADS  # one head per ROW_UNITS threads, one pass
 NAN_BF16X2 = 0x7FC07FC0
 NAN_F32 = 0x7FC00000
 LOG2_E = math.log2(math.e)
@@ -59,21 +64,19 @@ class DcpMerge:
         mLse: cute.Pointer,
         mStep: cute.Pointer,
         mHeader: cute.Pointer,
-        mError: cute.Pointer,
         latent_offset: Int64,
         lse_offset: Int64,
         batch: Int32,
         heads: Int32,
         dcp: Int32,
-        chunk: Int32,
         tile: Int32,
         split: Int32,
         flags: Int32,
     ):
         self.kernel(
-            mLatent, mLse, mStep, mHeader, mError, latent_offset, lse_offset, batch, heads,
-            dcp, chunk, tile, split, flags,
-        ).launch(grid=(1, 1, 1), block=(THREADS, 1, 1))  # fmt: skip
+            mLatent, mLse, mStep, mHeader, latent_offset, lse_offset, batch, heads, dcp, tile,
+            split, flags,
+        ).launch(grid=(1, 1, 1), block=(THREADS, 1, 1), use_pdl=True)  # fmt: skip
 
     @cute.kernel
     def kernel(
@@ -82,27 +85,29 @@ class DcpMerge:
         mLse: cute.Pointer,
         mStep: cute.Pointer,
         mHeader: cute.Pointer,
-        mError: cute.Pointer,
         latent_offset: Int64,
         lse_offset: Int64,
         batch: Int32,
         heads: Int32,
         dcp: Int32,
-        chunk: Int32,
         tile: Int32,
         split: Int32,
         flags: Int32,
     ):
         tid, _, _ = cute.arch.thread_idx()
         s, b, _ = cute.arch.block_idx()
+        # Under PDL the decode before may still run: until griddepcontrol.wait this reads only
+        # the header (dcp_setup's), the step (its producer finished before the decode, which
+        # let this grid launch only after its own wait) and what the flags release.
+        cute.arch.griddepcontrol_launch_dependents()
         header = mHeader.toint()
         rank = ptx.load_global_i32(header + RANK_OFFSET)
-        data = xptx.load_global_u64(header + Int64(rank) * 8)  # this device's data region
+        data = xptx.load_global_u64(header + OWN_DATA_OFFSET)  # this device's data region
         timeout = xptx.load_global_u64(header + TIMEOUT_OFFSET)
         step = ptx.load_global_i32(mStep.toint())
         slot, flag = mailbox(step)
-        h0 = s * chunk
-        h_end = h0 + min(heads - h0, chunk)
+        h0 = s * CHUNK_HEADS
+        h_end = h0 + min(heads - h0, CHUNK_HEADS)
         # Thread t < D * n waits for flag [slot, t / n, b, x0 + t % n]: the n decode CTAs (of
         # each source) whose tiles hold this chunk's gathered heads.
         first = (rank * heads + h0) // tile
@@ -114,28 +119,33 @@ class DcpMerge:
             x = first * split + tid % n
             at = ((slot * dcp + source) * batch + b) * flags + x
             late = xptx.poll_flag_sys(data + Int64(at) * 4, flag, timeout)
+        head = h0 + tid // ROW_UNITS
         if xptx.sync_threads_or(late) == 0:
             partials = (data, latent_offset, lse_offset, slot * dcp, batch, heads, dcp)
             # The loops over the sources unrolled, so that their loads overlap: by 4 where D
             # is a multiple of 4, else by 2 (D = 2 through a by-4 loop's remainder is slower).
-            if dcp % 4 == 0:
-                for h in cutlass.range(h0 + tid // ROW_UNITS, h_end, HEADS_PER_PASS, unroll=1):
-                    self.merge_head(mLatent, mLse, partials, b, h, tid % ROW_UNITS, 4)
-            else:
-                for h in cutlass.range(h0 + tid // ROW_UNITS, h_end, HEADS_PER_PASS, unroll=1):
-                    self.merge_head(mLatent, mLse, partials, b, h, tid % ROW_UNITS, 2)
+            if head < h_end:
+                if dcp % 4 == 0:
+                    self.merge_head(mLatent, mLse, partials, b, head, tid % ROW_UNITS, 4)
+                else:
+                    self.merge_head(mLatent, mLse, partials, b, head, tid % ROW_UNITS, 2)
             if (tid | b | s) == 0:
+                cute.arch.griddepcontrol_wait()  # the decode has read the header's step
                 xptx.store_global_u32(header + LAST_STEP_OFFSET, step)
                 xptx.store_global_u32(header + HAS_LAST_OFFSET, 1)
         else:
+            cute.arch.griddepcontrol_wait()
             units = (h_end - h0) * ROW_UNITS
             rows = mLatent.toint() + Int64(b * heads + h0) * (ROW_UNITS * 16)
             for u in cutlass.range(tid, units, THREADS, unroll=1):
                 xptx.store_global_splat_v4(rows + Int64(u) * 16, NAN_BF16X2)
             for h in cutlass.range(h0 + tid, h_end, THREADS, unroll=1):
                 xptx.store_global_u32(mLse.toint() + Int64(b * heads + h) * 4, NAN_F32)
-            if late != 0:
-                xptx.record_error(header, mError.toint(), TIMEOUT_PARTIALS, step, b, source)
+        # Not inside the branch above: there, every launch of this cubin failed on the H200
+        # with CUDA_ERROR_ILLEGAL_ADDRESS though no thread reached it and compute-sanitizer
+        # passed (session 41; not understood, like the decode's bar.red.or in session 40).
+        if late != 0:
+            ptx.record_failure(header, TIMEOUT_PARTIALS, step, b, source)
 
     @cute.jit
     def merge_head(self, mLatent, mLse, partials, b, h, unit, unroll: cutlass.Constexpr[int]):
@@ -174,6 +184,7 @@ class DcpMerge:
             high = ptx.where(empty, 0.0, acc[2 * e + 1] * inverse)
             words.append(ptx.bf16x2(low, high))
         row_out = mLatent.toint() + Int64(b * heads + h) * (ROW_UNITS * 16) + unit * 16
+        cute.arch.griddepcontrol_wait()  # the decode is done with every buffer it reads
         ptx.store_global_v4(row_out, words)
         if unit == 0:
             lse = xptx.fma_rn(xptx.log2_approx(divisor), LN_2, top)

@@ -8,7 +8,6 @@ from __future__ import annotations
 from cutlass import Float32, Int32, Int64
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from jax_sparse_mla.kernel.exchange.config import CLAIMED_OFFSET
 from jax_sparse_mla.kernel.ptx import _asm, _f32, _i32, _i64
 
 
@@ -72,25 +71,6 @@ def sync_threads_or(flag, *, loc=None, ip=None) -> Int32:
         "{ .reg .pred p, q; setp.ne.u32 p, $1, 0; bar.red.or.pred q, 0, p; selp.u32 $0, 1, 0, q; }"
     )
     return Int32(_asm(T.i32(), [_i32(flag, loc, ip)], code, "=r,r,~{memory}", True, loc, ip))
-
-
-@dsl_user_op
-def record_error(header, record, code_value, step, row, source, *, loc=None, ip=None) -> None:
-    """The exchange's error record (code, step, row, source) at ``record`` (host-mapped),
-    written once: the first thread to claim the header's error word writes it, the code last
-    (a reader that sees the code sees the rest)."""
-    code = (
-        "{ .reg .pred p; .reg .b32 old; "
-        f"atom.global.cas.b32 old, [$0+{CLAIMED_OFFSET}], 0, 1; setp.eq.u32 p, old, 0; "
-        "@p st.relaxed.sys.global.u32 [$1+4], $3; "
-        "@p st.relaxed.sys.global.u32 [$1+8], $4; "
-        "@p st.relaxed.sys.global.u32 [$1+12], $5; "
-        "@p fence.sc.sys; "
-        "@p st.relaxed.sys.global.u32 [$1], $2; }"
-    )
-    operands = [_i64(header, loc, ip), _i64(record, loc, ip)]
-    operands += [_i32(v, loc, ip) for v in (code_value, step, row, source)]
-    _asm(None, operands, code, "l,l,r,r,r,r,~{memory}", True, loc, ip)
 
 
 # ---- FP32 arithmetic with the roundings spelled out (the merge's results do not depend on
