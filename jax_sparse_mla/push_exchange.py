@@ -1,17 +1,16 @@
 """The one-sided DCP exchange (``dcp_decode(exchange="push")``) on CUDA GPUs of one process.
 
 One custom call per exchange that launches two kernels, no collective and no copy kernel. The
-decode kernel itself pushes:
-each CTA first stores its share of this rank's query heads of its tile into the other ranks'
-mailboxes and releases a flag there, then acquire-polls (bounded) the flags of the other ranks'
-heads its tile holds and reads them from its own mailbox; after its keys it stores its result
-rows straight into the owners' mailboxes on the owners' GPUs (plain stores over NVLink) and
-releases one flag per owner at system scope. The owner's merge kernel, launched behind it
-under PDL (its CTAs start while the decode runs), acquire-polls the flags of the CTAs that hold
-its heads with a bounded wait and merges by LSE into the final rows. The
-mailboxes belong to the FFI library (``ffi/dcp_exchange.cc``):
-``dcp_setup`` allocates, zeroes and peer-maps them eagerly, once, before the first call;
-nothing is allocated while a program runs.
+decode kernel itself pushes: each CTA first stores its share of this rank's query heads of its
+tile into the other ranks' mailboxes and releases a flag there, then acquire-polls (bounded)
+the flags of the other ranks' heads its tile holds and reads them from its own mailbox; after
+its keys it stores its result rows straight into the owners' mailboxes on the owners' GPUs
+(plain stores over NVLink) and releases one flag per owner at system scope. The owner's merge
+kernel, launched behind it under PDL (its CTAs start while the decode runs), acquire-polls the
+flags of the CTAs that hold its heads with a bounded wait and merges by LSE into the final
+rows. The mailboxes belong to the FFI library (``ffi/dcp_exchange.cc``): ``dcp_setup``
+allocates, zeroes and peer-maps them eagerly, once, before the first call; nothing is allocated
+while a program runs.
 
 The caller's ``step`` (a traced int32) picks the mailbox slot ``step & 1`` and the flag value
 ``(step & 0x7fffffff) + 1``. Consecutive push exchanges on a mesh must alternate parity (a
