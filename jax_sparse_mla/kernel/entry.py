@@ -25,7 +25,7 @@ from jax_sparse_mla.kernel.config import (
     KernelConfig,
 )
 from jax_sparse_mla.kernel.exchange import ptx as xptx
-from jax_sparse_mla.kernel.exchange.config import TIMEOUT_QUERIES
+from jax_sparse_mla.kernel.exchange.config import TIMEOUT_QUERIES, slot_and_flag
 
 # Error codes of the exchange's record (ffi/dcp_exchange.cc).
 REPEATED_PARITY = 2
@@ -238,7 +238,7 @@ class DecodeKernel:
         if header != 0:
             rank = ptx.load_global_i32(mRank.toint())
             step = ptx.load_global_i32(mStep.toint())
-            slot, flag = step & 1, (step & 0x7FFFFFFF) + 1
+            slot, flag = slot_and_flag(step)
             width, batch, _ = cute.arch.grid_dim()
             region = xptx.load_global_u64(header + HEADER_OWN_DATA)  # not after the rank's
             own_first = rank * heads_own
@@ -303,6 +303,8 @@ class DecodeKernel:
         has_last = ptx.load_global_i32_if(push, header + HEADER_HAS_LAST)
         last_step = ptx.load_global_i32_if(push, header + HEADER_LAST_STEP)
         alternated = (has_last == 0) | (((last_step ^ step) & 1) != 0)
+        # exchange.config.slot_and_flag, spelled out here: through the helper, ptxas scheduled
+        # the plain cluster-mma s2 / s4 / s8 cubins differently (session 41); these keep them.
         slot = step & 1
         _, batch, _ = cute.arch.grid_dim()
         return Destination(

@@ -32,6 +32,13 @@ CLAIMED_OFFSET = decode.HEADER_CLAIMED  # u32 elects the writer of the error rec
 TIMEOUT_OFFSET = decode.HEADER_TIMEOUT  # u64 ns a wait may take
 OWN_DATA_OFFSET = decode.HEADER_OWN_DATA  # u64 this device's data region
 
+
+def slot_and_flag(step):
+    """The mailbox slot of ``step`` (its parity) and the value its flags hold: (step &
+    0x7fffffff) + 1, never 0 (the zeroed value). Plain arithmetic on the kernels' Int32."""
+    return step & 1, (step & 0x7FFFFFFF) + 1
+
+
 # Error codes (kept in sync with dcp_exchange.cc and the decode kernels).
 TIMEOUT_PARTIALS = 1
 TIMEOUT_QUERIES = 4

@@ -38,6 +38,7 @@ from jax_sparse_mla.kernel.exchange.config import (
     THREADS,
     TIMEOUT_OFFSET,
     TIMEOUT_PARTIALS,
+    slot_and_flag,
 )
 
 ROW_UNITS = LATENT * 2 // 16  # 16-byte units of a merged BF16 row
@@ -46,12 +47,6 @@ NAN_BF16X2 = 0x7FC07FC0
 NAN_F32 = 0x7FC00000
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
-
-
-@cute.jit
-def mailbox(step):
-    """The slot and the flag value of ``step``."""
-    return step & 1, (step & 0x7FFFFFFF) + 1
 
 
 class DcpMerge:
@@ -105,7 +100,7 @@ class DcpMerge:
         data = xptx.load_global_u64(header + OWN_DATA_OFFSET)  # this device's data region
         timeout = xptx.load_global_u64(header + TIMEOUT_OFFSET)
         step = ptx.load_global_i32(mStep.toint())
-        slot, flag = mailbox(step)
+        slot, flag = slot_and_flag(step)
         h0 = s * CHUNK_HEADS
         h_end = h0 + min(heads - h0, CHUNK_HEADS)
         # Thread t < D * n waits for flag [slot, t / n, b, x0 + t % n]: the n decode CTAs (of
