@@ -14,9 +14,11 @@ around a replay of that graph give the time per launch (the graph's launch gaps 
 same for all variants; launched one by one from Python, small kernels measured the host's
 ~18-30 us per launch instead). After one untimed round, the variants are interleaved over
 ``--repeats`` rounds; the median is reported with the [min, max] spread. With ``--push``
-the kernels run as under dcp_decode(exchange="push") with D = 1: each CTA stores its rows into
-a mailbox on this GPU (the owner of every head) and releases its flag, as the FFI's push
-target asks (no merge runs; the rows compared are the mailbox's). Meant for
+the kernels run as rank 0 under dcp_decode(exchange="push") of a group of ``--dcp`` D ranks
+on this GPU, the others simulated (``PushMailboxes``): each CTA stores its share of rank 0's
+query heads into the others' mailboxes, finds theirs already there, and stores its rows into
+the owners' mailboxes and releases their flags, as the FFI's push target asks (no merge
+runs; the rows compared are the mailboxes'; D > 1 needs the ``-push`` cubins). Meant for
 comparing kernel variants with each other, not for absolute latency
 (benchmarks/bench_decode.py measures that through JAX). Each variant's outputs of one more
 launch are compared with the first variant's, the first DIR's first cubin (max differences,
@@ -38,8 +40,15 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "gpu"))
 from cubin_launch import Buffer, Context, CubinKernel, check, grid_columns
 from cuda.bindings import driver as cu
+from push_layout import mailbox_layout
 
-from jax_sparse_mla.kernel.config import HEADER_OWN_DATA, LATENT
+from jax_sparse_mla.kernel.config import (
+    HEADER_ERROR_RECORD,
+    HEADER_OWN_DATA,
+    HEADER_TIMEOUT,
+    LATENT,
+    ROW,
+)
 
 CACHE_ROWS, WIDTH = 131072, 2048
 HEADER_BYTES = 256  # the mailbox header (ffi/dcp_exchange.cc's kHeaderBytes)
@@ -72,41 +81,76 @@ def inputs(batch: int, heads: int, keys: int) -> list[Buffer]:
     ]
 
 
-class OneGpuMailbox:
-    """A push target of D = 1 (this GPU owns every head): a zeroed header (rank 0, no
-    previous exchange) listing one data region (as data[0] and as this device's) of the
-    layout the FFI's push target gives (flags, then the latent rows, then the LSEs; slot 0
-    only, step 0). With one rank there are no other ranks' query heads: the query offsets
-    are 0 and never used."""
+class PushMailboxes:
+    """Rank 0's push target of a group of D ranks on this GPU, the other ranks simulated: D
+    data regions of the layout the FFI's push target gives (``push_layout``), rank 0's header
+    listing them (its own region again at HEADER_OWN_DATA; no previous exchange; a 10 ms
+    timeout, so that a broken variant cannot hang the run; an error record), step 0 (slot 0,
+    flag 1). With D > 1 the other ranks' query heads of slot 0 and their flags are in rank 0's
+    region already, as if their decodes had pushed them: rank 0's decode stores its own heads
+    into their regions, finds theirs at once (no wait) and pushes its partial rows into the
+    owners' regions. So it times the pushing decode's own work at D, not a wait for other GPUs
+    or NVLink's latency."""
 
-    def __init__(self, batch: int, heads: int, flags_per_row: int):
-        self.batch, self.heads = batch, heads
-        self.latent_offset = -(-4 * 2 * batch * flags_per_row // 256) * 256
-        self.lse_offset = self.latent_offset + 2 * batch * heads * LATENT * 2
-        self.region = Buffer(np.zeros(self.lse_offset + 2 * batch * heads * 4, np.uint8))
+    def __init__(self, dcp: int, q: np.ndarray, flags_per_row: int):
+        batch, heads, _ = q.shape
+        self.dcp, self.batch, self.heads, self.heads_own = dcp, batch, heads, heads // dcp
+        places = mailbox_layout(dcp, batch, self.heads_own, flags_per_row)
+        self.latent_offset, self.lse_offset = places["latent"], places["lse"]
+        self.query_flags_offset, self.query_offset = places["query_flags"], places["queries"]
+        size = places["bytes"]
+        # Slot 0's query rows and query flags of the other ranks (flag 1 = step 0's).
+        own = np.zeros(size, np.uint8)
+        rows = own[self.query_offset : self.query_offset + batch * heads * ROW]
+        rows[:] = q.reshape(-1)
+        # Slot 0 of every source (rank 0's own are never polled), whatever the kernel's F.
+        slot_flags = 4 * dcp * batch * flags_per_row
+        own[self.query_flags_offset : self.query_flags_offset + slot_flags].view(np.uint32)[:] = 1
+        self.regions = [Buffer(own)] + [Buffer(np.zeros(size, np.uint8)) for _ in range(dcp - 1)]
+        self.error = Buffer(np.zeros(4, np.uint32))
         header = np.zeros(HEADER_BYTES, np.uint8)
-        header[:8].view(np.uint64)[0] = self.region.address
-        header[HEADER_OWN_DATA : HEADER_OWN_DATA + 8].view(np.uint64)[0] = self.region.address
+        words = header.view(np.uint64)
+        words[:dcp] = [region.address for region in self.regions]
+        words[HEADER_TIMEOUT // 8] = 10_000_000  # ns
+        words[HEADER_ERROR_RECORD // 8] = self.error.address
+        words[HEADER_OWN_DATA // 8] = self.regions[0].address
         self.header = Buffer(header)
         self.rank, self.step = Buffer(np.zeros(1, np.int32)), Buffer(np.zeros(1, np.int32))
+        # The decode takes rank 0's own heads.
+        self.own_queries = Buffer(np.ascontiguousarray(q[:, : self.heads_own]))
 
     def exchange(self) -> tuple:
         """cubin_launch's exchange parameters."""
-        return (self.header.address, self.rank.address, self.step.address, 1, self.heads,
-                self.latent_offset, self.lse_offset, 0, 0)  # fmt: skip
+        return (self.header.address, self.rank.address, self.step.address, self.dcp,
+                self.heads_own, self.latent_offset, self.lse_offset, self.query_offset,
+                self.query_flags_offset)  # fmt: skip
+
+    def fill(self, byte: int) -> None:
+        """Every owner's slot 0 rows of source 0 (what one launch writes) set to ``byte``."""
+        rows = self.batch * self.heads_own
+        for region in self.regions:
+            check(cu.cuMemsetD8(region.address + self.latent_offset, byte, rows * LATENT * 2))
+            check(cu.cuMemsetD8(region.address + self.lse_offset, byte, rows * 4))
 
     def results(self):
-        """Slot 0's (latent as float32, lse)."""
-        data = self.region.download()
-        rows = self.batch * self.heads
-        latent = data[self.latent_offset : self.latent_offset + rows * LATENT * 2]
-        lse = data[self.lse_offset : self.lse_offset + rows * 4]
-        latent = (latent.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
-        shape = (self.batch, self.heads)
-        return latent.reshape(*shape, LATENT), lse.view(np.float32).reshape(shape)
+        """(latent as float32 [B, H, 512], lse [B, H]) of source 0 in slot 0, from the owners'
+        regions; raises if rank 0 recorded an error."""
+        if self.error.download()[0]:
+            raise RuntimeError(f"the pushing decode recorded {self.error.download().tolist()}")
+        rows = self.batch * self.heads_own
+        latents, lses = [], []
+        for region in self.regions:
+            data = region.download()
+            latent = data[self.latent_offset : self.latent_offset + rows * LATENT * 2]
+            lse = data[self.lse_offset : self.lse_offset + rows * 4]
+            latent = (latent.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+            latents.append(latent.reshape(self.batch, self.heads_own, LATENT))
+            lses.append(lse.view(np.float32).reshape(self.batch, self.heads_own))
+        return np.concatenate(latents, axis=1), np.concatenate(lses, axis=1)
 
     def free(self) -> None:
-        for buffer in (self.region, self.header, self.rank, self.step):
+        for buffer in (*self.regions, self.error, self.header, self.rank, self.step,
+                       self.own_queries):  # fmt: skip
             buffer.free()
 
 
@@ -171,8 +215,11 @@ def run_once(context: Context, kernel: CubinKernel, buffers: list[Buffer], launc
     lse), to check that variants agree (a variant that computes something else shows here,
     not only in its time)."""
     latent_buffer, lse_buffer = buffers[5], buffers[6]
-    for buffer in (latent_buffer, lse_buffer) if mailbox is None else (mailbox.region,):
-        buffer.fill(0xFF)
+    if mailbox is None:
+        latent_buffer.fill(0xFF)
+        lse_buffer.fill(0xFF)
+    else:
+        mailbox.fill(0xFF)
     exchange = None if mailbox is None else mailbox.exchange()
     kernel.launch(context.stream, *launch_args, pdl=False, exchange=exchange)
     check(cu.cuStreamSynchronize(context.stream))
@@ -205,10 +252,20 @@ def main() -> None:
     parser.add_argument(
         "--push",
         action="store_true",
-        help="launch as under dcp_decode(exchange='push') with D = 1 (rows into a mailbox)",
+        help="launch as rank 0 under dcp_decode(exchange='push') (see PushMailboxes)",
+    )
+    parser.add_argument(
+        "--dcp",
+        type=int,
+        default=1,
+        help="with --push: D, the group's ranks (the others simulated); H = gathered heads",
     )
     args = parser.parse_args()
+    if args.dcp != 1 and not args.push:
+        parser.error("--dcp needs --push")
     shapes = args.shape or [(5, 96, 256), (5, 128, 256), (5, 128, 2048), (64, 128, 2048)]
+    if any(heads % args.dcp for _, heads, _ in shapes):
+        parser.error(f"--dcp {args.dcp} must divide every shape's gathered heads H")
     context = Context()
     variants = {
         name: CubinKernel(path.read_bytes(), json.loads(path.with_suffix(".json").read_text()))
@@ -216,9 +273,12 @@ def main() -> None:
     }
     if not variants:
         raise SystemExit(f"no *.cubin in {[str(d) for d in args.dirs]}")
+    plain = [name for name, kernel in variants.items() if not kernel.meta["config"]["exchange"]]
+    if args.dcp > 1 and plain:  # they would read all H heads from q, which holds H / D
+        raise SystemExit(f"--dcp > 1 needs the push exchange's cubins (*-push), not {plain}")
     print(
         f"{len(variants)} variant(s); {args.launches} launches x {args.repeats} rounds each"
-        + ("; pushing into a one-GPU mailbox (D = 1)" if args.push else "")
+        + (f"; rank 0 pushing into D = {args.dcp} mailboxes on this GPU" if args.push else "")
     )
     for batch, heads, keys in shapes:
         buffers = inputs(batch, heads, keys)
@@ -228,7 +288,8 @@ def main() -> None:
         mailbox = None
         if args.push:
             flags_per_row = max(grid_columns(kernel, heads) for kernel in variants.values())
-            mailbox = OneGpuMailbox(batch, heads, flags_per_row)
+            mailbox = PushMailboxes(args.dcp, buffers[0].download(), flags_per_row)
+            pointers[0] = mailbox.own_queries.address  # the kernel takes H / D heads
         exchange = None if mailbox is None else mailbox.exchange()
         times = time_interleaved(
             context, variants, launch_args, args.launches, args.repeats, exchange

@@ -217,8 +217,9 @@ class DecodeKernel:
         this CTA's share of this rank's heads among the tile's is stored into the slot's query
         rows of every other rank and flag [slot, rank, b, x] released there (one system-scope
         release per rank, thread p for rank p, at once; release is cumulative over the CTA's
-        stores), then flags [slot, s, b, x - part .. x - part + split) here are acquire-polled
-        for every other rank s whose heads the tile holds, bounded by the header's timeout.
+        stores), while flags [slot, s, b, x - part .. x - part + split) here are acquire-polled
+        (by threads of warp 1 on) for every other rank s whose heads the tile holds, bounded by
+        the header's timeout.
         ok is 1 when they all arrived (always without an exchange), else 0 with the error
         (TIMEOUT_QUERIES, step, b, s) recorded. A padded head past the D ranks' reads the
         mailbox (its result is never kept).
@@ -271,11 +272,13 @@ class DecodeKernel:
                 real = dcp * heads_own
                 first_source = first_head // heads_own
                 last_source = (min(first_head + tile_heads, real) - 1) // heads_own
-                source = first_source + tid // self.split
+                # Polled from warp 1 on: warp 0's releases wait for a system-scope fence.
+                poller = tid - 32
+                source = first_source + poller // self.split
                 late = Int32(0)
-                if (source <= last_source) & (source != rank):
+                if (poller >= 0) & (source <= last_source) & (source != rank):
                     at = ((slot * dcp + source) * Int32(batch) + b) * Int32(width) + x - part
-                    at = at + tid % self.split
+                    at = at + poller % self.split
                     flag_at = region + Int64(query_flags_offset) + Int64(at) * 4
                     timeout = xptx.load_global_u64(header + HEADER_TIMEOUT)
                     late = xptx.poll_flag_sys(flag_at, flag, timeout)

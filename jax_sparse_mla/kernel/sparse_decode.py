@@ -245,6 +245,21 @@ class SparseDecode(DecodeKernel):
         row = self.load_row(rows_base, min(reach, Int32(CHUNK)), 0, lane, slot)
         q_tile = min(tile, heads // HEADS - 1)
         queries_ok = Int32(1)
+        # What every chunk's gather shares: the cache's shape, this thread's slot, the pair.
+        shared = (n_rows, row_bytes, lane, slot, member, mask)
+        # A pair's push cubin gathers chunk 0 first: it needs no query, so its rows land while
+        # the query heads are exchanged (a system-scope release and a poll: ~1 us at D >= 2
+        # with the peers' heads there already). Single tiles (splits 1, 8) measured slower so
+        # (rank-full +0.3 / +1 us per launch, their query loads behind the copies; session 42).
+        early = exchange and self.tiles > 1
+        if cutlass.const_expr(early):
+            n = ptx.load_global_i32(mValid.toint() + Int64(b) * 4)
+            n = max(min(n, width), Int32(0))
+            mine = (max(n - part, Int32(0)) + self.split - 1) // self.split
+            cute.arch.cluster_wait()  # the pair's barriers are armed for its multicasts
+            if mine > 0:
+                self.gather(mKV, sKV, sLive, bar, row, mine, 0, *shared)
+                row = self.load_row(rows_base, mine, 1, lane, slot)
         if cutlass.const_expr(exchange):
             # The other ranks' heads of the tile come from their decodes (and this CTA pushes
             # its share of this rank's to them first).
@@ -263,10 +278,12 @@ class SparseDecode(DecodeKernel):
         scale_log2 = ptx.load_global_f32(mScales.toint())
         # Read now, used by the merge: a global load there put its latency on the critical path.
         out_scale = ptx.load_global_f32(mScales.toint() + 4)
-        n = ptx.load_global_i32(mValid.toint() + Int64(b) * 4)
+        if cutlass.const_expr(not early):
+            n = ptx.load_global_i32(mValid.toint() + Int64(b) * 4)
         self.store_query(sQ, query, tid)
-        n = max(min(n, width), Int32(0))
-        mine = (max(n - part, Int32(0)) + self.split - 1) // self.split  # keys part + split j
+        if cutlass.const_expr(not early):
+            n = max(min(n, width), Int32(0))
+            mine = (max(n - part, Int32(0)) + self.split - 1) // self.split  # keys part + split j
 
         m_run = cute.make_rmem_tensor((2,), Float32)  # rows group, group + 8 (log2 units)
         m_run.fill(neg_inf)
@@ -280,15 +297,14 @@ class SparseDecode(DecodeKernel):
         a_row = lane % 8 + 8 * ((lane // 8) % 2)
         a_col = 16 * (lane // 16)
         chunks = (mine + CHUNK - 1) // CHUNK
-        if cutlass.const_expr(self.tiles > 1):
-            # The pair's multicasts land in this CTA: every barrier of the cluster is armed.
-            cute.arch.cluster_wait()
-        # Slot t's row index is loaded a chunk ahead of its gather.
-        # What every chunk's gather shares: the cache's shape, this thread's slot, the pair.
-        shared = (n_rows, row_bytes, lane, slot, member, mask)
-        if chunks > 0:
-            self.gather(mKV, sKV, sLive, bar, row, mine, 0, *shared)
-            row = self.load_row(rows_base, mine, 1, lane, slot)
+        if cutlass.const_expr(not early):
+            if cutlass.const_expr(self.tiles > 1):
+                # The pair's multicasts land in this CTA: every barrier of the cluster is armed.
+                cute.arch.cluster_wait()
+            # Slot t's row index is loaded a chunk ahead of its gather.
+            if chunks > 0:
+                self.gather(mKV, sKV, sLive, bar, row, mine, 0, *shared)
+                row = self.load_row(rows_base, mine, 1, lane, slot)
         for c in cutlass.range(0, chunks, unroll=1):
             stage = c % STAGES
             cute.arch.sync_threads()  # chunk c - 1's readers are done; chunk c's V zeros, flags

@@ -29,7 +29,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # cubin_launch
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # cubin_launch, push_layout
+from push_layout import mailbox_layout as layout
+from push_layout import padded_heads
 
 from jax_sparse_mla.kernel.config import KernelConfig
 from jax_sparse_mla.kernel.exchange.config import (
@@ -48,28 +50,8 @@ from jax_sparse_mla.kernel.exchange.config import (
 
 pytestmark = pytest.mark.gpu
 
-REGION_ALIGN = 256
 HEADER_BYTES = 256
 ERROR_OFFSET = 152  # u64 the error record's address (dcp_exchange.cc's kErrorOffset)
-
-
-def align(value: int) -> int:
-    return -(-value // REGION_ALIGN) * REGION_ALIGN
-
-
-def padded_heads(dcp: int, heads: int) -> int:
-    return -(-dcp * heads // 16) * 16
-
-
-def layout(dcp: int, batch: int, heads: int, flags_per_row: int) -> dict:
-    """A data region as MakeLayout places it."""
-    latent = align(4 * 2 * dcp * batch * flags_per_row)
-    lse = latent + 2 * dcp * batch * heads * LATENT * 2
-    query_flags = align(lse + 2 * dcp * batch * heads * 4)
-    queries = align(query_flags + 4 * 2 * dcp * batch * flags_per_row)
-    size = queries + 2 * batch * padded_heads(dcp, heads) * QUERY_ROW
-    return {"latent": latent, "lse": lse, "query_flags": query_flags, "queries": queries,
-            "bytes": size}  # fmt: skip
 
 
 class Device:
