@@ -8,16 +8,18 @@
 Per case (DESIGN.md's shapes per rank: B = 5 rows, the gathered heads H split over the D ranks,
 `keys` local keys per row on every rank, N = 131072 local cache rows), one jitted `lax.scan` of
 --steps decode steps runs `local_rows` + `dcp_decode` inside `jax.shard_map` (a new query per
-step, scaled from one query by a small fusion; the same global top-k tokens). Each call of the
-scan runs under the JAX profiler (CUPTI kernel records, host waiting between calls); per device
-we report the span of a call's kernels divided by the steps (loop overhead included; with
---unroll the scan is unrolled, so no while loop runs between steps: XLA's GPU while loop copies
-its predicate to the host every iteration), and per kernel the summed duration per step (NCCL
-kernels include their wait for the other ranks, the push exchange's merge its wait for the
-peers' flags; the merge runs under PDL beside the pushing decode, so its duration includes the
-decode's and the sums overlap: the span is the step). The kernel path is implementation="cute":
-no fallback to the reference; the push exchange's custom call is checked in the compiled
-program and its error records (dcp_check) after the run.
+step, scaled from one query by a small fusion, and new global top-k tokens: `local_rows` runs
+every step, as in a model; but unrolled, XLA computes the steps' `local_rows` together, which a
+model, whose tokens come from its last step, cannot: the scan's figures hold its per-step
+cost). Each call of the scan runs under the JAX profiler (CUPTI kernel records, host waiting
+between calls); per device we report the span of a call's kernels divided by the steps (loop
+overhead included; with --unroll the scan is unrolled, so no while loop runs between steps:
+XLA's GPU while loop copies its predicate to the host every iteration), and per kernel the
+summed duration per step (NCCL kernels include their wait for the other ranks, the push
+exchange's merge its wait for the peers' flags; the merge runs under PDL beside the pushing
+decode, so its duration includes the decode's and the sums overlap: the span is the step). The
+kernel path is implementation="cute": no fallback to the reference; the push exchange's custom
+call is checked in the compiled program and its error records (dcp_check) after the run.
 
 --loopback runs the push exchange's custom call (the pushing decode, the merge) on
 one GPU set up as a group of one that exchanges with itself, at the cases' shapes with D = 1
@@ -61,7 +63,7 @@ CASES = {  # name -> (rows B, gathered heads H, local keys per row)
 
 def make_step(mesh: Mesh, dcp: int, exchange: str, unroll: bool):
     if exchange == "loopback":
-        return make_loop(loopback_step, unroll)
+        return make_loop(loopback_step, unroll, dcp)
 
     def per_rank(q, kv, tokens, t):
         rows, valid = jax_sparse_mla.local_rows(tokens, rank=lax.axis_index(AXIS), dcp_size=dcp)
@@ -83,7 +85,7 @@ def make_step(mesh: Mesh, dcp: int, exchange: str, unroll: bool):
         in_specs=(P(None, AXIS), P(AXIS), P(), P()),
         out_specs=(P(None, AXIS), P(None, AXIS)),
     )
-    return make_loop(step, unroll)
+    return make_loop(step, unroll, dcp)
 
 
 def loopback_step(q, kv, tokens, t):
@@ -99,7 +101,7 @@ def loopback_step(q, kv, tokens, t):
     )  # fmt: skip
 
 
-def make_loop(step, unroll: bool):
+def make_loop(step, unroll: bool, dcp: int):
     def loop(q, kv, tokens, first_step, steps):
         def body(carry, t):
             # A new query each step from one small elementwise fusion. (Scanning over a
@@ -107,7 +109,11 @@ def make_loop(step, unroll: bool):
             # every iteration: ~21 us per step at rank-full that belongs to no decode.)
             scale = 1.0 + (t % 8).astype(jnp.float32) * 2.0**-3  # E4M3 steps are 2**-3
             q_t = (q.astype(jnp.float32) * scale).astype(q.dtype)
-            return carry, step(q_t, kv, tokens, t)
+            # New tokens each step, on the same ranks: a shift by D t modulo the D * N global
+            # tokens keeps t % D and each row's tokens distinct. (With the same tokens every
+            # step XLA computed local_rows once for the whole loop.)
+            tokens_t = (tokens + dcp * t) % (dcp * LOCAL_ROWS)
+            return carry, step(q_t, kv, tokens_t, t)
 
         steps_array = first_step + jnp.arange(steps, dtype=jnp.int32)
         outputs = lax.scan(body, 0, steps_array, unroll=steps if unroll else 1)[1]
