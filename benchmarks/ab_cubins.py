@@ -52,6 +52,7 @@ from jax_sparse_mla.kernel.config import (
 
 CACHE_ROWS, WIDTH = 131072, 2048
 HEADER_BYTES = 256  # the mailbox header (ffi/dcp_exchange.cc's kHeaderBytes)
+MAX_RANKS = 16  # its data regions (kMaxRanks)
 
 
 def _shape(text: str) -> tuple[int, int, int]:
@@ -261,6 +262,8 @@ def main() -> None:
         help="with --push: D, the group's ranks (the others simulated); H = gathered heads",
     )
     args = parser.parse_args()
+    if not 1 <= args.dcp <= MAX_RANKS:
+        parser.error(f"--dcp must be in [1, {MAX_RANKS}], got {args.dcp}")
     if args.dcp != 1 and not args.push:
         parser.error("--dcp needs --push")
     shapes = args.shape or [(5, 96, 256), (5, 128, 256), (5, 128, 2048), (64, 128, 2048)]
@@ -273,7 +276,7 @@ def main() -> None:
     }
     if not variants:
         raise SystemExit(f"no *.cubin in {[str(d) for d in args.dirs]}")
-    plain = [name for name, kernel in variants.items() if not kernel.meta["config"]["exchange"]]
+    plain = [n for n, kernel in variants.items() if not kernel.meta["config"].get("exchange")]
     if args.dcp > 1 and plain:  # they would read all H heads from q, which holds H / D
         raise SystemExit(f"--dcp > 1 needs the push exchange's cubins (*-push), not {plain}")
     print(

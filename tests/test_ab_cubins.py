@@ -23,6 +23,8 @@ def test_variants_keep_the_dirs_order_and_stay_apart(tmp_path, load_script):
     "extra, message",
     [
         (["--dcp", "2"], "--dcp needs --push"),
+        (["--push", "--dcp", "0"], "--dcp must be in [1, 16]"),
+        (["--push", "--dcp", "17"], "--dcp must be in [1, 16]"),
         (["--push", "--dcp", "5", "--shape", "5,96,256"], "must divide every shape's"),
         (["--push", "--dcp", "3"], "must divide every shape's"),  # a default shape has H = 128
     ],
