@@ -253,9 +253,7 @@ class SparseDecode(DecodeKernel):
         # (rank-full +0.3 / +1 us per launch, their query loads behind the copies; session 42).
         early = exchange and self.tiles > 1
         if cutlass.const_expr(early):
-            n = ptx.load_global_i32(mValid.toint() + Int64(b) * 4)
-            n = max(min(n, width), Int32(0))
-            mine = (max(n - part, Int32(0)) + self.split - 1) // self.split
+            mine = self.keys_of_cta(ptx.load_global_i32(mValid.toint() + Int64(b) * 4), width, part)
             cute.arch.cluster_wait()  # the pair's barriers are armed for its multicasts
             if mine > 0:
                 self.gather(mKV, sKV, sLive, bar, row, mine, 0, *shared)
@@ -282,8 +280,7 @@ class SparseDecode(DecodeKernel):
             n = ptx.load_global_i32(mValid.toint() + Int64(b) * 4)
         self.store_query(sQ, query, tid)
         if cutlass.const_expr(not early):
-            n = max(min(n, width), Int32(0))
-            mine = (max(n - part, Int32(0)) + self.split - 1) // self.split  # keys part + split j
+            mine = self.keys_of_cta(n, width, part)
 
         m_run = cute.make_rmem_tensor((2,), Float32)  # rows group, group + 8 (log2 units)
         m_run.fill(neg_inf)
@@ -517,6 +514,13 @@ class SparseDecode(DecodeKernel):
             for t in cutlass.range_constexpr(2):
                 qk_block(partial, t, a, k[t])
         return partial
+
+    @cute.jit
+    def keys_of_cta(self, n, width, part):
+        """How many of a row's keys this CTA holds (positions part + split j) when the row has
+        ``n`` valid of ``width`` (n clamped to [0, width])."""
+        n = max(min(n, width), Int32(0))
+        return (max(n - part, Int32(0)) + self.split - 1) // self.split
 
     @cute.jit
     def load_row(self, rows_base, limit, c, lane, slot):
