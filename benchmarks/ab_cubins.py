@@ -40,19 +40,12 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests" / "gpu"))
 from cubin_launch import Buffer, Context, CubinKernel, check, grid_columns
 from cuda.bindings import driver as cu
-from push_layout import mailbox_layout
+from push_layout import mailbox_header, mailbox_layout
 
-from jax_sparse_mla.kernel.config import (
-    HEADER_ERROR_RECORD,
-    HEADER_OWN_DATA,
-    HEADER_TIMEOUT,
-    LATENT,
-    ROW,
-)
+from jax_sparse_mla.kernel.config import LATENT, ROW
 
 CACHE_ROWS, WIDTH = 131072, 2048
-HEADER_BYTES = 256  # the mailbox header (ffi/dcp_exchange.cc's kHeaderBytes)
-MAX_RANKS = 16  # its data regions (kMaxRanks)
+MAX_RANKS = 16  # data regions in a mailbox header (ffi/dcp_exchange.cc's kMaxRanks)
 
 
 def _shape(text: str) -> tuple[int, int, int]:
@@ -109,12 +102,9 @@ class PushMailboxes:
         own[self.query_flags_offset : self.query_flags_offset + slot_flags].view(np.uint32)[:] = 1
         self.regions = [Buffer(own)] + [Buffer(np.zeros(size, np.uint8)) for _ in range(dcp - 1)]
         self.error = Buffer(np.zeros(4, np.uint32))
-        header = np.zeros(HEADER_BYTES, np.uint8)
-        words = header.view(np.uint64)
-        words[:dcp] = [region.address for region in self.regions]
-        words[HEADER_TIMEOUT // 8] = 10_000_000  # ns
-        words[HEADER_ERROR_RECORD // 8] = self.error.address
-        words[HEADER_OWN_DATA // 8] = self.regions[0].address
+        addresses = [region.address for region in self.regions]
+        # A 10 ms timeout: a broken variant cannot hang the run.
+        header = mailbox_header(addresses, 0, 10_000_000, self.error.address)
         self.header = Buffer(header)
         self.rank, self.step = Buffer(np.zeros(1, np.int32)), Buffer(np.zeros(1, np.int32))
         # The decode takes rank 0's own heads.

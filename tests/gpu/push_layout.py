@@ -1,11 +1,36 @@
-"""The push exchange's data region as ffi/dcp_exchange.cc's MakeLayout places it, for the
-one-GPU tests and benchmarks that play the FFI's part (no CUDA import)."""
+"""The push exchange's mailbox header and data region as ffi/dcp_exchange.cc makes them
+(dcp_setup's header, MakeLayout's offsets), for the one-GPU tests and benchmarks that play the
+FFI's part (no CUDA import)."""
 
 from __future__ import annotations
 
-from jax_sparse_mla.kernel.config import LATENT, ROW
+import numpy as np
 
+from jax_sparse_mla.kernel.config import (
+    HEADER_ERROR_RECORD,
+    HEADER_OWN_DATA,
+    HEADER_RANK,
+    HEADER_TIMEOUT,
+    LATENT,
+    ROW,
+)
+
+HEADER_BYTES = 256  # kHeaderBytes
 REGION_ALIGN = 256  # of a data region's parts (kRegionAlign)
+
+
+def mailbox_header(regions: list[int], rank: int, timeout_ns: int, error_record: int):
+    """Rank ``rank``'s header as dcp_setup writes it (bytes, uint8 [HEADER_BYTES]): every
+    rank's data region, its rank, the waits' timeout, its error record's address and its own
+    region again; no exchange ran since (no last step)."""
+    header = np.zeros(HEADER_BYTES, np.uint8)
+    words = header.view(np.uint64)
+    words[: len(regions)] = regions
+    header[HEADER_RANK : HEADER_RANK + 4].view(np.uint32)[0] = rank
+    words[HEADER_TIMEOUT // 8] = timeout_ns
+    words[HEADER_ERROR_RECORD // 8] = error_record
+    words[HEADER_OWN_DATA // 8] = regions[rank]
+    return header
 
 
 def padded_heads(dcp: int, heads_own: int) -> int:

@@ -30,8 +30,8 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # cubin_launch, push_layout
+from push_layout import HEADER_BYTES, mailbox_header, padded_heads
 from push_layout import mailbox_layout as layout
-from push_layout import padded_heads
 
 from jax_sparse_mla.kernel.config import KernelConfig
 from jax_sparse_mla.kernel.exchange.config import (
@@ -40,18 +40,12 @@ from jax_sparse_mla.kernel.exchange.config import (
     HAS_LAST_OFFSET,
     LAST_STEP_OFFSET,
     LATENT,
-    OWN_DATA_OFFSET,
     QUERY_ROW,
-    RANK_OFFSET,
     THREADS,
-    TIMEOUT_OFFSET,
     ExchangeKernel,
 )
 
 pytestmark = pytest.mark.gpu
-
-HEADER_BYTES = 256
-ERROR_OFFSET = 152  # u64 the error record's address (dcp_exchange.cc's kErrorOffset)
 
 
 class Device:
@@ -124,14 +118,8 @@ def mailboxes(device, dcp, places, timeout_ns):
     errors = [device.alloc(16) for _ in range(dcp)]
     headers = []
     for r in range(dcp):
-        header = np.zeros(HEADER_BYTES, np.uint8)
-        header[: 8 * dcp].view(np.uint64)[:] = regions
-        header[RANK_OFFSET : RANK_OFFSET + 4].view(np.uint32)[0] = r
-        header[TIMEOUT_OFFSET : TIMEOUT_OFFSET + 8].view(np.uint64)[0] = timeout_ns
-        header[ERROR_OFFSET : ERROR_OFFSET + 8].view(np.uint64)[0] = errors[r]
-        header[OWN_DATA_OFFSET : OWN_DATA_OFFSET + 8].view(np.uint64)[0] = regions[r]
         headers.append(device.alloc(HEADER_BYTES))
-        device.upload(headers[-1], header)
+        device.upload(headers[-1], mailbox_header(regions, r, timeout_ns, errors[r]))
     return regions, headers, errors
 
 
