@@ -18,7 +18,9 @@ the kernels run as rank 0 under dcp_decode(exchange="push") of a group of ``--dc
 on this GPU, the others simulated (``PushMailboxes``): each CTA stores its share of rank 0's
 query heads into the others' mailboxes, finds theirs already there, and stores its rows into
 the owners' mailboxes and releases their flags, as the FFI's push target asks (no merge
-runs; the rows compared are the mailboxes'; D > 1 needs the ``-push`` cubins). Meant for
+runs; the rows compared are the mailboxes'; D > 1 needs the ``-push`` cubins, which take
+the global top-k tokens: K = 2048, rank 0's KEYS of them first, the rest other ranks'; they
+compact rank 0's themselves). Meant for
 comparing kernel variants with each other, not for absolute latency
 (benchmarks/bench_decode.py measures that through JAX). Each variant's outputs of one more
 launch are compared with the first variant's, the first DIR's first cubin (max differences,
@@ -64,7 +66,7 @@ def inputs(batch: int, heads: int, keys: int) -> list[Buffer]:
     q = rng.standard_normal((batch, heads, 576)).astype(fp8)
     kv = rng.standard_normal((CACHE_ROWS, 576)).astype(fp8)
     rows = np.stack([rng.choice(CACHE_ROWS, WIDTH, replace=False) for _ in range(batch)])
-    return [
+    return rows, [
         Buffer(q.view(np.uint8)),
         Buffer(kv.view(np.uint8)),
         Buffer(rows.astype(np.int32)),
@@ -84,9 +86,10 @@ class PushMailboxes:
     region already, as if their decodes had pushed them: rank 0's decode stores its own heads
     into their regions, finds theirs at once (no wait) and pushes its partial rows into the
     owners' regions. So it times the pushing decode's own work at D, not a wait for other GPUs
-    or NVLink's latency."""
+    or NVLink's latency. ``keys`` [B, K] are the plain decode's rows, its first ``valid`` of
+    each row valid: they become rank 0's first global tokens (``pointers``)."""
 
-    def __init__(self, dcp: int, q: np.ndarray, flags_per_row: int):
+    def __init__(self, dcp: int, q: np.ndarray, keys: np.ndarray, valid: int, flags_per_row: int):
         batch, heads, _ = q.shape
         self.dcp, self.batch, self.heads, self.heads_own = dcp, batch, heads, heads // dcp
         places = mailbox_layout(dcp, batch, self.heads_own, flags_per_row)
@@ -109,6 +112,20 @@ class PushMailboxes:
         self.rank, self.step = Buffer(np.zeros(1, np.int32)), Buffer(np.zeros(1, np.int32))
         # The decode takes rank 0's own heads.
         self.own_queries = Buffer(np.ascontiguousarray(q[:, : self.heads_own]))
+        # A push cubin's global tokens: rank 0's (the plain decode's keys, in their order)
+        # first, then the other ranks' (none at D = 1); and the scratch of its CTAs' lists.
+        tokens = keys.astype(np.int64) * dcp
+        others = 1 + np.arange(keys.shape[1] - valid) % max(dcp - 1, 1)
+        tokens[:, valid:] = np.where(dcp > 1, tokens[:, valid:] + others, -1)
+        self.tokens = Buffer(tokens.astype(np.int32))
+        self.scratch = Buffer(np.zeros(batch * flags_per_row * keys.shape[1], np.int32))
+
+    def pointers(self, pointers: list[int]) -> list[int]:
+        """A push cubin's operand pointers: rank 0's heads, the tokens, the scratch."""
+        pointers = list(pointers)
+        pointers[0] = self.own_queries.address  # the kernel takes H / D heads
+        pointers[2], pointers[3] = self.tokens.address, self.scratch.address
+        return pointers
 
     def exchange(self) -> tuple:
         """cubin_launch's exchange parameters."""
@@ -141,7 +158,7 @@ class PushMailboxes:
 
     def free(self) -> None:
         for buffer in (*self.regions, self.error, self.header, self.rank, self.step,
-                       self.own_queries):  # fmt: skip
+                       self.own_queries, self.tokens, self.scratch):  # fmt: skip
             buffer.free()
 
 
@@ -182,12 +199,13 @@ class GraphOfLaunches:
 
 
 def time_interleaved(
-    context: Context, kernels: dict, launch_args, launches: int, repeats: int, exchange=None
+    context: Context, kernels: dict, launch_args: dict, launches: int, repeats: int, exchange=None
 ) -> dict[str, list[float]]:
-    """Us per launch of each kernel (by name) over ``repeats`` rounds: a graph of ``launches``
-    launches per kernel, one untimed round, then the kernels interleaved round by round."""
+    """Us per launch of each kernel (by name; ``launch_args`` by name too) over ``repeats``
+    rounds: a graph of ``launches`` launches per kernel, one untimed round, then the kernels
+    interleaved round by round."""
     graphs = {
-        name: GraphOfLaunches(context, kernel, launch_args, launches, exchange)
+        name: GraphOfLaunches(context, kernel, launch_args[name], launches, exchange)
         for name, kernel in kernels.items()
     }
     times = {name: [] for name in graphs}
@@ -274,21 +292,25 @@ def main() -> None:
         + (f"; rank 0 pushing into D = {args.dcp} mailboxes on this GPU" if args.push else "")
     )
     for batch, heads, keys in shapes:
-        buffers = inputs(batch, heads, keys)
+        rows, buffers = inputs(batch, heads, keys)
         pointers = [b.address for b in buffers]
         sizes = (CACHE_ROWS, WIDTH, heads, 576)
-        launch_args = (pointers, sizes, batch)
+        launch_args = {name: (pointers, sizes, batch) for name in variants}
         mailbox = None
         if args.push:
             flags_per_row = max(grid_columns(kernel, heads) for kernel in variants.values())
-            mailbox = PushMailboxes(args.dcp, buffers[0].download(), flags_per_row)
-            pointers[0] = mailbox.own_queries.address  # the kernel takes H / D heads
+            mailbox = PushMailboxes(args.dcp, buffers[0].download(), rows, keys, flags_per_row)
+            for name, kernel in variants.items():
+                if kernel.meta["config"].get("exchange"):
+                    launch_args[name] = (mailbox.pointers(pointers), sizes, batch)
+                else:  # a plain cubin pushing (D = 1): rows and valid
+                    launch_args[name] = ([mailbox.own_queries.address, *pointers[1:]], sizes, batch)
         exchange = None if mailbox is None else mailbox.exchange()
         times = time_interleaved(
             context, variants, launch_args, args.launches, args.repeats, exchange
         )
         outputs = {
-            name: run_once(context, kernel, buffers, launch_args, mailbox)
+            name: run_once(context, kernel, buffers, launch_args[name], mailbox)
             for name, kernel in variants.items()
         }
         first = next(iter(outputs.values()))

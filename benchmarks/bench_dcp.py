@@ -7,19 +7,20 @@
 
 Per case (DESIGN.md's shapes per rank: B = 5 rows, the gathered heads H split over the D ranks,
 `keys` local keys per row on every rank, N = 131072 local cache rows), one jitted `lax.scan` of
---steps decode steps runs `local_rows` + `dcp_decode` inside `jax.shard_map` (a new query per
-step, scaled from one query by a small fusion, and new global top-k tokens: `local_rows` runs
-every step, as in a model; but unrolled, XLA computes the steps' `local_rows` together, which a
-model, whose tokens come from its last step, cannot: the scan's figures hold its per-step
-cost). Each call of the scan runs under the JAX profiler (CUPTI kernel records, host waiting
-between calls); per device we report the span of a call's kernels divided by the steps (loop
-overhead included; with --unroll the scan is unrolled, so no while loop runs between steps:
-XLA's GPU while loop copies its predicate to the host every iteration), and per kernel the
-summed duration per step (NCCL kernels include their wait for the other ranks, the push
-exchange's merge its wait for the peers' flags; the merge runs under PDL beside the pushing
-decode, so its duration includes the decode's and the sums overlap: the span is the step). The
-kernel path is implementation="cute": no fallback to the reference; the push exchange's custom
-call is checked in the compiled program and its error records (dcp_check) after the run.
+--steps decode steps runs `dcp_decode_tokens` inside `jax.shard_map` (a new query per step,
+scaled from one query by a small fusion, and new global top-k tokens every step, as in a model;
+the collectives run `local_rows` + `dcp_decode` on them, the push exchange's decode compacts
+them itself; unrolled, XLA computes the steps' `local_rows` together, which a model, whose
+tokens come from its last step, cannot: the scan's figures hold its per-step cost). Each call
+of the scan runs under the JAX profiler (CUPTI kernel records, host waiting between calls); per
+device we report the span of a call's kernels divided by the steps (loop overhead included;
+with --unroll the scan is unrolled, so no while loop runs between steps: XLA's GPU while loop
+copies its predicate to the host every iteration), and per kernel the summed duration per step
+(NCCL kernels include their wait for the other ranks, the push exchange's merge its wait for
+the peers' flags; the merge runs under PDL beside the pushing decode, so its duration includes
+the decode's and the sums overlap: the span is the step). The kernel path is
+implementation="cute": no fallback to the reference; the push exchange's custom call is checked
+in the compiled program and its error records (dcp_check) after the run.
 
 --loopback runs the push exchange's custom call (the pushing decode, the merge) on
 one GPU set up as a group of one that exchanges with itself, at the cases' shapes with D = 1
@@ -66,12 +67,10 @@ def make_step(mesh: Mesh, dcp: int, exchange: str, unroll: bool):
         return make_loop(loopback_step, unroll, dcp)
 
     def per_rank(q, kv, tokens, t):
-        rows, valid = jax_sparse_mla.local_rows(tokens, rank=lax.axis_index(AXIS), dcp_size=dcp)
-        return jax_sparse_mla.dcp_decode(
+        return jax_sparse_mla.dcp_decode_tokens(
             q,
             kv,
-            rows,
-            valid,
+            tokens,
             axis_name=AXIS,
             softmax_scale=192**-0.5,
             implementation="cute",
@@ -89,14 +88,15 @@ def make_step(mesh: Mesh, dcp: int, exchange: str, unroll: bool):
 
 
 def loopback_step(q, kv, tokens, t):
-    """dcp_decode's push path for a group of one GPU (see --loopback)."""
-    rows, valid = jax_sparse_mla.local_rows(tokens, rank=0, dcp_size=1)
-    _, (_, kv, rows, valid, scales) = kernel_operands(
-        q, kv, rows, valid, softmax_scale=192**-0.5, q_scale=1.0, kv_scale=1.0,
+    """dcp_decode_tokens' push path for a group of one GPU (see --loopback): the kernel takes
+    the global tokens (at D = 1 all of them its own)."""
+    valid = jnp.zeros(tokens.shape[:1], jnp.int32)  # checked for its shape only
+    _, (_, kv, tokens, _, scales) = kernel_operands(
+        q, kv, tokens, valid, softmax_scale=192**-0.5, q_scale=1.0, kv_scale=1.0,
         implementation="cute", kernel_config=None, valid_hint=None,
     )  # fmt: skip
     return push_exchange.decode_and_exchange(
-        q, kv, rows, valid, scales, rank=jnp.int32(0), step=t, dcp_size=1, valid_hint=None,
+        q, kv, tokens, scales, rank=jnp.int32(0), step=t, dcp_size=1, valid_hint=None,
         kernel_config=None,
     )  # fmt: skip
 

@@ -616,9 +616,9 @@ def dcp_attention(
 ) -> tuple[jax.Array, Cache, jax.Array, jax.Array]:
     """Indexer, attention and output projection with both caches sharded by token over the
     mesh: each rank writes the verify tokens it owns, takes the global top-k with
-    dcp_index_topk over its index shard, maps it to its local rows, runs dcp_decode for its
-    own heads, and the row-parallel output projection is psum'd. Returns (out, cache, latent,
-    tokens [D, R, K]: every rank's copy of the global positions)."""
+    dcp_index_topk over its index shard, runs dcp_decode_tokens (its local rows, dcp_decode)
+    for its own heads, and the row-parallel output projection is psum'd. Returns (out, cache,
+    latent, tokens [D, R, K]: every rank's copy of the global positions)."""
     dcp = mesh.shape[MESH_AXIS]
     implementation, index_implementation = implementations
     q, q_scale, index_q, index_weights = queries
@@ -649,12 +649,11 @@ def dcp_attention(
                 implementation=index_implementation,
             )[0]
         with jax.named_scope("sparse_decode"):
-            rows, valid = jax_sparse_mla.local_rows(tokens, rank=rank, dcp_size=dcp)
-            latent, _ = jax_sparse_mla.dcp_decode(
+            # local_rows + dcp_decode; the push exchange's kernel compacts the tokens itself.
+            latent, _ = jax_sparse_mla.dcp_decode_tokens(
                 q_own,
                 local.kv,
-                rows,
-                valid,
+                tokens,
                 axis_name=MESH_AXIS,
                 softmax_scale=cfg.softmax_scale,
                 q_scale=q_scale,

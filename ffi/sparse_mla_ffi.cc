@@ -19,10 +19,13 @@
 //
 // Two targets share the instantiate stage: "jax_sparse_mla_decode" (results latent, lse) and
 // "jax_sparse_mla_decode_push" (dcp_decode(exchange="push"): q is this rank's own heads [B, H_own,
-// 576], operands rank and step, attributes dcp_size and heads_own, results the merged latent
-// [B, H_own, 512] and lse [B, H_own] of this rank's heads; the kernel exchanges the query heads
-// with the other ranks' decodes and stores the rows into the owners' mailboxes, and the
-// exchange's merge follows it on the stream, see dcp_exchange.cc).
+// 576], the GLOBAL top-k tokens [B, K] in place of rows and valid, operands rank and step,
+// attributes dcp_size, heads_own and split, results the merged latent [B, H_own, 512] and lse
+// [B, H_own] of this rank's heads and the kernel's scratch, s32[B * CTAs per row * ceil(K /
+// split)] (passed as the ABI's valid: each CTA lists its keys' rows there); the kernel
+// compacts this rank's tokens, exchanges the query heads with the other ranks' decodes and
+// stores the rows into the owners' mailboxes, and the exchange's merge follows it on the
+// stream, see dcp_exchange.cc).
 //
 // Stages:
 // - instantiate (once per executable, while XLA builds its thunks; no stream, no device is
@@ -95,6 +98,7 @@ struct PushLaunchSpec {
   int64_t smem_bytes;
   int64_t dcp_size;
   int64_t heads_own;
+  int64_t split;  // the cubin's split: its CTAs' scratch lists hold ceil(K / split) rows
 };
 
 XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(PushLaunchSpec,
@@ -105,7 +109,8 @@ XLA_FFI_REGISTER_STRUCT_ATTR_DECODING(PushLaunchSpec,
                                       ffi::StructMember<ffi::Span<const int64_t>>("cluster"),
                                       ffi::StructMember<int64_t>("smem_bytes"),
                                       ffi::StructMember<int64_t>("dcp_size"),
-                                      ffi::StructMember<int64_t>("heads_own"));
+                                      ffi::StructMember<int64_t>("heads_own"),
+                                      ffi::StructMember<int64_t>("split"));
 
 // The kernel loaded into each CUDA context the executable can run in, plus its launch shape.
 struct KernelState {
@@ -123,6 +128,7 @@ struct KernelState {
   unsigned int block[3] = {};
   unsigned int cluster[3] = {};
   unsigned int smem_bytes = 0;
+  unsigned int split = 0;  // the push target's (its scratch's size); 0 for the plain target
 
   KernelState() = default;
   KernelState(const KernelState&) = delete;
@@ -252,8 +258,16 @@ ffi::ErrorOr<std::unique_ptr<KernelState>> Instantiate(LaunchSpec spec) {
 }
 
 ffi::ErrorOr<std::unique_ptr<KernelState>> InstantiatePush(PushLaunchSpec spec) {
-  return Instantiate(LaunchSpec{spec.cubin, spec.kernel_name, spec.head_tile, spec.block,
-                                spec.cluster, spec.smem_bytes});
+  // A cluster holds split CTAs of each of its one or two head tiles.
+  if (spec.split < 1 || spec.split > 8 || (spec.split & (spec.split - 1)) != 0 ||
+      spec.cluster.size() < 1 || spec.cluster[0] % spec.split != 0) {
+    return ffi::Unexpected<ffi::Error>(ffi::Error::InvalidArgument(
+        "jax_sparse_mla: bad split " + std::to_string(spec.split) + " of the push target"));
+  }
+  ffi::ErrorOr<std::unique_ptr<KernelState>> state = Instantiate(LaunchSpec{
+      spec.cubin, spec.kernel_name, spec.head_tile, spec.block, spec.cluster, spec.smem_bytes});
+  if (state.has_value()) state.value()->split = static_cast<unsigned int>(spec.split);
+  return state;
 }
 
 // Typed buffers of the kernel's operands. The FFI headers have no native type for FP8, so q
@@ -261,6 +275,7 @@ ffi::ErrorOr<std::unique_ptr<KernelState>> InstantiatePush(PushLaunchSpec spec) 
 using Fp8Buffer = ffi::AnyBuffer;
 using RowsBuffer = ffi::Buffer<ffi::S32, 2>;
 using ValidBuffer = ffi::Buffer<ffi::S32, 1>;
+using ScratchBuffer = ffi::Buffer<ffi::S32, 1>;
 using ScalesBuffer = ffi::Buffer<ffi::F32, 1>;
 using LatentBuffer = ffi::Buffer<ffi::BF16, 3>;
 using LseBuffer = ffi::Buffer<ffi::F32, 2>;
@@ -299,9 +314,9 @@ int64_t CtasPerRow(const KernelState& state, int64_t heads) {
 }
 
 // Launches the decode of `heads` (Hp) padded heads: q holds them all, or with an exchange this
-// rank's H_own.
+// rank's H_own; `valid` is valid [B] (checked by the caller), or with an exchange the scratch.
 ffi::Error Launch(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8Buffer kv,
-                  RowsBuffer rows, ValidBuffer valid, ScalesBuffer scales, int64_t heads,
+                  RowsBuffer rows, void* valid_ptr, ScalesBuffer scales, int64_t heads,
                   Outputs out) {
   const cu::Driver& d = *state->driver;
   if (ffi::Error error = CheckFp8("q", q, 3); error.failure()) return error;
@@ -320,8 +335,8 @@ ffi::Error Launch(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8Buffe
                         std::to_string(q.dimensions()[2]) + "], kv [.., " +
                         std::to_string(row_bytes) + "]");
   }
-  if (rows.dimensions()[0] != batch || valid.dimensions()[0] != batch ||
-      scales.dimensions()[0] != 2 || q.dimensions()[1] != q_heads) {
+  if (rows.dimensions()[0] != batch || scales.dimensions()[0] != 2 ||
+      q.dimensions()[1] != q_heads) {
     return InvalidShape("operand shapes disagree with q [" + std::to_string(batch) + ", " +
                         std::to_string(q_heads) + ", 576]");
   }
@@ -349,7 +364,6 @@ ffi::Error Launch(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8Buffe
   void* q_ptr = q.untyped_data();
   void* kv_ptr = kv.untyped_data();
   void* rows_ptr = rows.untyped_data();
-  void* valid_ptr = valid.untyped_data();
   void* scales_ptr = scales.untyped_data();
   int32_t n_rows = static_cast<int32_t>(kv_rows);
   int32_t width_param = static_cast<int32_t>(width);
@@ -398,18 +412,23 @@ ffi::Error Execute(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8Buff
     return InvalidShape("results latent, lse disagree with q [" + std::to_string(batch) + ", " +
                         std::to_string(heads) + ", 576]");
   }
+  if (valid.dimensions()[0] != batch) {
+    return InvalidShape("valid [" + std::to_string(valid.dimensions()[0]) +
+                        "] disagrees with q [" + std::to_string(batch) + ", ..]");
+  }
   Outputs out;
   out.latent = latent->untyped_data();
   out.lse = lse->untyped_data();
-  return Launch(stream, state, q, kv, rows, valid, scales, heads, out);
+  return Launch(stream, state, q, kv, rows, valid.untyped_data(), scales, heads, out);
 }
 
 using ScalarBuffer = ffi::Buffer<ffi::S32, 0>;
 
 ffi::Error ExecutePush(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8Buffer kv,
-                       RowsBuffer rows, ValidBuffer valid, ScalesBuffer scales, ScalarBuffer rank,
+                       RowsBuffer tokens, ScalesBuffer scales, ScalarBuffer rank,
                        ScalarBuffer step, ffi::Result<LatentBuffer> latent,
-                       ffi::Result<LseBuffer> lse, ffi::Dictionary attrs) {
+                       ffi::Result<LseBuffer> lse, ffi::Result<ScratchBuffer> scratch,
+                       ffi::Dictionary attrs) {
   ffi::ErrorOr<int64_t> dcp_size = attrs.get<int64_t>("dcp_size");
   ffi::ErrorOr<int64_t> heads_own = attrs.get<int64_t>("heads_own");
   if (dcp_size.has_error() || heads_own.has_error()) {
@@ -434,6 +453,13 @@ ffi::Error ExecutePush(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8
   const int64_t heads =
       (dcp_size.value() * heads_own.value() + kHeadGrain - 1) / kHeadGrain * kHeadGrain;
   const int64_t flags_per_row = CtasPerRow(*state, heads);
+  const int64_t split = state->split;  // >= 1: InstantiatePush checked it
+  const int64_t lists = batch * flags_per_row * ((tokens.dimensions()[1] + split - 1) / split);
+  if (static_cast<int64_t>(scratch->element_count()) < lists) {
+    return InvalidShape("decode_push: the scratch holds " +
+                        std::to_string(scratch->element_count()) + " rows, the CTAs' lists " +
+                        std::to_string(lists));
+  }
   ffi::ErrorOr<dcp::PushTarget> target =
       dcp::PushTargetFor(stream, dcp_size.value(), batch, heads_own.value(), flags_per_row);
   if (target.has_error()) return target.error();
@@ -447,7 +473,8 @@ ffi::Error ExecutePush(cudaStream_t stream, KernelState* state, Fp8Buffer q, Fp8
   out.lse_offset = static_cast<int32_t>(target.value().lse_offset);
   out.query_offset = static_cast<int32_t>(target.value().query_offset);
   out.query_flags_offset = static_cast<int32_t>(target.value().query_flags_offset);
-  if (ffi::Error error = Launch(stream, state, q, kv, rows, valid, scales, heads, out);
+  if (ffi::Error error =
+          Launch(stream, state, q, kv, tokens, scratch->untyped_data(), scales, heads, out);
       error.failure()) {
     return error;
   }
@@ -495,14 +522,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxSparseMlaDecodePushExecute, ExecutePush,
                                   .Ctx<ffi::State<KernelState>>()            // state
                                   .Arg<Fp8Buffer>()                          // q (own heads)
                                   .Arg<Fp8Buffer>()                          // kv
-                                  .Arg<RowsBuffer>()                         // rows
-                                  .Arg<ValidBuffer>()                        // valid
+                                  .Arg<RowsBuffer>()                         // tokens
                                   .Arg<ScalesBuffer>()                       // scales
                                   .Arg<ScalarBuffer>()                       // rank
                                   .Arg<ScalarBuffer>()                       // step
                                   .Ret<LatentBuffer>()  // merged rows of this rank's heads
                                   .Ret<LseBuffer>()
-                                  .Attrs(),  // launch spec, dcp_size, heads_own
+                                  .Ret<ScratchBuffer>()  // the CTAs' lists of their keys
+                                  .Attrs(),  // launch spec, dcp_size, heads_own, split
                               {ffi::Traits::kCmdBufferCompatible});
 
 // The state's type, registered from Python with jax.ffi.register_ffi_type.

@@ -1,15 +1,15 @@
 """Sparse MLA decode for JAX: DeepSeek-Sparse-Attention on an FP8 KV cache, with decode
 context parallelism, backed by a Hopper CuTe DSL kernel and a pure-jnp reference.
 
-Public API: ``decode``, ``dcp_decode``, ``dcp_setup``, ``dcp_check``, ``local_rows``,
-``merge_partials``, ``index_topk``, ``dcp_index_topk``, ``token_rows``, ``reference``,
-``export_disabled_checks`` (for ``jax.export``).
+Public API: ``decode``, ``dcp_decode``, ``dcp_decode_tokens``, ``dcp_setup``, ``dcp_check``,
+``local_rows``, ``merge_partials``, ``index_topk``, ``dcp_index_topk``, ``token_rows``,
+``reference``, ``export_disabled_checks`` (for ``jax.export``).
 """
 
 from jax_sparse_mla import cuda_lowering as cuda_lowering  # registers the kernel lowering
 from jax_sparse_mla import index_lowering as index_lowering  # and the indexer's
 from jax_sparse_mla import reference
-from jax_sparse_mla.dcp import FILL_ROW, dcp_decode, local_rows
+from jax_sparse_mla.dcp import FILL_ROW, dcp_decode, dcp_decode_tokens, local_rows
 from jax_sparse_mla.dcp_indexer import dcp_index_topk
 from jax_sparse_mla.export import export_disabled_checks
 from jax_sparse_mla.indexer import index_topk, token_rows
@@ -21,6 +21,7 @@ __all__ = [
     "FILL_ROW",
     "dcp_check",
     "dcp_decode",
+    "dcp_decode_tokens",
     "dcp_index_topk",
     "dcp_setup",
     "decode",

@@ -20,13 +20,16 @@ Per call, inside ``jax.shard_map``, the collectives are:
 ``exchange="push"`` replaces both collectives on CUDA GPUs with the one-sided exchange of
 ``push_exchange`` (mailboxes set up once by ``dcp_setup``): the decode kernel pushes this
 rank's query heads to the other ranks' decodes and its partials to the heads' owners, the
-owner's kernel merges; elsewhere it runs as above.
+owner's kernel merges; elsewhere it runs as above. Its kernel takes the global top-k tokens
+and compacts this rank's itself: ``dcp_decode_tokens`` passes them straight (no ``local_rows``
+kernels in the step), ``dcp_decode`` encodes its rows and valid as such tokens.
 
 The KV cache never moves.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 
 import jax
@@ -38,7 +41,7 @@ from jax_sparse_mla.kernel.config import KernelConfig
 from jax_sparse_mla.merge import merge_along
 from jax_sparse_mla.ops import decode, kernel_operands
 
-__all__ = ["FILL_ROW", "dcp_decode", "local_rows"]
+__all__ = ["FILL_ROW", "dcp_decode", "dcp_decode_tokens", "local_rows"]
 
 FILL_ROW = -1
 """Value of ``local_rows``'s entries past ``valid`` (and of tokens that map outside the
@@ -170,6 +173,20 @@ def _step_scalar(step) -> jax.Array:
     return jnp.asarray(step, jnp.int32)
 
 
+def _as_tokens(rows, keys, *, n_rows: int, rank, dcp_size: int) -> jax.Array:
+    """Local rows [B, K] as the global tokens the push cubins compact back to the same keys in
+    the same order: where ``keys`` (this rank's key slots), token row * D + rank (a row
+    outside [0, n_rows) as row n_rows, which the kernel skips as it would have), else -1
+    (not this rank's). One elementwise kernel."""
+    if n_rows * dcp_size + dcp_size > 2**31:
+        raise ValueError(
+            f"exchange='push' encodes rows as tokens row * D + rank in int32: kv's {n_rows} "
+            f"rows times D={dcp_size} do not fit; use exchange='collectives'"
+        )
+    row = jnp.where((rows >= 0) & (rows < n_rows), rows, n_rows)
+    return jnp.where(keys, row * dcp_size + rank, -1)
+
+
 def _collectives_exchange(latent, lse, *, axis_name, dcp_size):
     """all_to_all of the packed partials, then the merge (see the module docstring)."""
     batch, gathered, _ = latent.shape
@@ -227,7 +244,9 @@ def dcp_decode(
         its partials straight into the owners' mailboxes, and the owner merges them
         (see ``jax_sparse_mla.push_exchange``: its step rule, timeout and errors); with
         ``implementation="reference"`` or on other platforms it runs as "collectives", with
-        the same results.
+        the same results. Its kernel takes global tokens and compacts them itself: here
+        rows and valid are handed over as such tokens (one elementwise kernel);
+        ``dcp_decode_tokens`` takes the tokens straight and runs no ``local_rows``.
       step: int32 scalar (traced or not), required with "push": consecutive push exchanges
         must alternate its parity (a decode loop's counter; ``step * layers + layer`` with
         several exchanges per step). Unused by "collectives".
@@ -255,8 +274,110 @@ def dcp_decode(
     # Checked on this rank's shard, before the gather, so errors show the local shapes.
     validation.check_decode_args(q, kv, rows, valid)
     dcp_size = validation.axis_size(axis_name, "dcp_decode")
+    n_rows = math.prod(kv.shape[:-1])
+
+    def to_tokens(rank, rows, valid):
+        keys = jnp.arange(rows.shape[1], dtype=jnp.int32) < valid[:, None]
+        return _as_tokens(rows, keys, n_rows=n_rows, rank=rank, dcp_size=dcp_size)
+
+    return _sharded_decode(
+        q, kv, (rows, valid), to_local=lambda rank, rows, valid: (rows, valid),
+        to_tokens=to_tokens, axis_name=axis_name, dcp_size=dcp_size, exchange=exchange,
+        step=step_value, softmax_scale=softmax_scale, q_scale=q_scale, kv_scale=kv_scale,
+        implementation=implementation, valid_hint=valid_hint, kernel_config=kernel_config,
+    )  # fmt: skip
+
+
+def dcp_decode_tokens(
+    q: jax.Array,
+    kv: jax.Array,
+    tokens: jax.Array,
+    *,
+    axis_name: AxisName,
+    softmax_scale: float,
+    block_table: jax.Array | None = None,
+    block_size: int | None = None,
+    q_scale: float | jax.Array = 1.0,
+    kv_scale: float | jax.Array = 1.0,
+    implementation: str | None = None,
+    exchange: str = "collectives",
+    step: int | jax.Array | None = None,
+    valid_hint: int | None = None,
+    kernel_config: KernelConfig | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """``local_rows`` and ``dcp_decode`` in one call, from the indexer's global top-k tokens;
+    call inside ``jax.shard_map``.
+
+    Same results as ``rows, valid = local_rows(tokens, rank=lax.axis_index(axis_name),
+    dcp_size=D, block_table=block_table, block_size=block_size)`` followed by ``dcp_decode(q,
+    kv, rows, valid, ...)``, and that is how it runs with ``exchange="collectives"`` (or the
+    reference, or off CUDA). With ``exchange="push"`` on CUDA the pushing decode kernel
+    compacts this rank's tokens itself, so the step runs no ``local_rows`` kernels (~4-7 us
+    of XLA kernels per call on an H200); with a ``block_table`` one elementwise kernel maps
+    the tokens to flat rows first.
+
+    Args:
+      q, kv: as for ``dcp_decode`` (this rank's own heads; this rank's shard of the cache).
+      tokens: [B, K] integer global token positions, the same on every rank (e.g.
+        ``dcp_index_topk``'s result); any negative entry means "no token". Token t is local
+        position ``t // D`` of rank ``t % D``.
+      block_table, block_size: as for ``local_rows`` (this rank's table of a paged cache).
+      The rest: as for ``dcp_decode`` (``valid_hint`` counts this rank's keys per row; its
+      default ceil(K / D) suits the interleaved layout).
+
+    Returns:
+      latent [B, H_own, 512] bfloat16 and lse [B, H_own] float32, as ``dcp_decode``.
+    """
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    step_value = _step_scalar(step) if exchange == "push" else None
+    if not hasattr(tokens, "ndim") or tokens.ndim != 2:
+        raise ValueError(f"tokens must be [B, K], got {getattr(tokens, 'shape', tokens)!r}")
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+        raise TypeError(f"tokens must be an integer array, got {_shape_str(tokens)}")
+    check_block_table(tokens, block_table, block_size)
+    batch, width = tokens.shape
+    # rows and valid as local_rows makes them: the decode's checks name q, kv and the sizes.
+    validation.check_decode_args(
+        q, kv, jax.ShapeDtypeStruct((batch, width), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+    )  # fmt: skip
+    dcp_size = validation.axis_size(axis_name, "dcp_decode_tokens")
+    n_rows = math.prod(kv.shape[:-1])
+    tables = () if block_table is None else (block_table,)
+
+    def to_local(rank, tokens, *table):
+        return local_rows(
+            tokens, rank=rank, dcp_size=dcp_size, block_table=table[0] if table else None,
+            block_size=block_size,
+        )  # fmt: skip
+
+    def to_tokens(rank, tokens, *table):
+        tokens = tokens.astype(jnp.int32)
+        if not table:
+            return tokens  # the kernel compacts them as they are
+        mine = (tokens >= 0) & (tokens % dcp_size == rank)
+        rows = paged_rows(jnp.where(mine, tokens // dcp_size, 0), table[0], block_size)
+        return _as_tokens(rows, mine, n_rows=n_rows, rank=rank, dcp_size=dcp_size)
+
+    return _sharded_decode(
+        q, kv, (tokens, *tables), to_local=to_local, to_tokens=to_tokens, axis_name=axis_name,
+        dcp_size=dcp_size, exchange=exchange, step=step_value, softmax_scale=softmax_scale,
+        q_scale=q_scale, kv_scale=kv_scale, implementation=implementation,
+        valid_hint=valid_hint, kernel_config=kernel_config,
+    )  # fmt: skip
+
+
+def _sharded_decode(
+    q, kv, operands, *, to_local, to_tokens, axis_name, dcp_size, exchange, step,
+    softmax_scale, q_scale, kv_scale, implementation, valid_hint, kernel_config,
+):  # fmt: skip
+    """dcp_decode's run from ``operands``, which ``to_local(rank, *operands)`` turns into this
+    rank's (rows, valid) and ``to_tokens(rank, *operands)`` into the push cubins' global
+    tokens [B, K] int32 (rank: the traced axis index; D = dcp_size)."""
+    width = operands[0].shape[1]
     if valid_hint is None:
-        valid_hint = -(-jnp.shape(rows)[1] // dcp_size)
+        valid_hint = -(-width // dcp_size)
     kwargs = dict(
         softmax_scale=softmax_scale,
         q_scale=q_scale,
@@ -266,10 +387,11 @@ def dcp_decode(
         kernel_config=kernel_config,
     )
     if dcp_size == 1:
-        return decode(q, kv, rows, valid, **kwargs)
+        return decode(q, kv, *to_local(0, *operands), **kwargs)
 
-    def collectives(q, kv, rows, valid, rank, step):
-        del rank, step
+    def collectives(q, kv, rank, step, *operands):
+        del step
+        rows, valid = to_local(rank, *operands)
         # Gathered as raw bytes: a backend may widen an FP8 collective (XLA:CPU gathers f16).
         gathered = lax.all_gather(
             lax.bitcast_convert_type(q, jnp.uint8), axis_name, axis=1, tiled=True
@@ -278,18 +400,21 @@ def dcp_decode(
         latent, lse = decode(gathered, kv, rows, valid, **kwargs)
         return _collectives_exchange(latent, lse, axis_name=axis_name, dcp_size=dcp_size)
 
+    rank = lax.axis_index(axis_name).astype(jnp.int32)
     if exchange == "collectives" or implementation == "reference":
-        return collectives(q, kv, rows, valid, None, None)
+        return collectives(q, kv, rank, None, *operands)
 
-    def push(q, kv, rows, valid, rank, step):
-        # kv, rows, valid and the scales as the kernel takes them (the padded q is unused: the
-        # pushing decode takes this rank's own heads).
-        _, (_, kv, rows, valid, scales) = kernel_operands(q, kv, rows, valid, **kwargs)
+    def push(q, kv, rank, step, *operands):
+        tokens = to_tokens(rank, *operands)
+        # kv and the scales as the kernel takes them (the padded q is unused: the pushing
+        # decode takes this rank's own heads; no valid: the kernel counts the keys).
+        batch, _ = tokens.shape
+        valid = jnp.zeros((batch,), jnp.int32)
+        _, (_, kv, _, _, scales) = kernel_operands(q, kv, tokens, valid, **kwargs)
         merged = push_exchange.decode_and_exchange(
             q,
             kv,
-            rows,
-            valid,
+            tokens,
             scales,
             rank=rank,
             step=step,
@@ -300,7 +425,4 @@ def dcp_decode(
         # Typed like the collectives' results: they vary over the axis (shard_map's check_vma).
         return lax.pcast(merged, axis_name, to="varying")
 
-    rank = lax.axis_index(axis_name).astype(jnp.int32)
-    return lax.platform_dependent(
-        q, kv, rows, valid, rank, step_value, default=collectives, cuda=push
-    )
+    return lax.platform_dependent(q, kv, rank, step, *operands, default=collectives, cuda=push)

@@ -223,12 +223,13 @@ decode_push_p.multiple_results = True
 decode_push_p.def_impl(functools.partial(dispatch.apply_primitive, decode_push_p))
 
 
-def _decode_push_abstract_eval(q, kv, rows, valid, scales, rank, step, **params):
-    del kv, rows, valid, scales, rank, step, params
+def _decode_push_abstract_eval(q, kv, tokens, scales, rank, step, *, scratch_rows, **params):
+    del kv, tokens, scales, rank, step, params
     batch, heads_own, _ = q.shape
     return (
         ShapedArray((batch, heads_own, LATENT), jnp.bfloat16),
         ShapedArray((batch, heads_own), jnp.float32),
+        ShapedArray((scratch_rows,), jnp.int32),  # the kernel's lists of its CTAs' keys
     )
 
 
@@ -244,7 +245,8 @@ def _require_setup() -> None:
         )
 
 
-def _decode_push_lowering(ctx, *operands, dcp_size, heads_own, config):
+def _decode_push_lowering(ctx, *operands, dcp_size, heads_own, config, scratch_rows):
+    del scratch_rows  # the result's shape
     _require_setup()
     kernel, reason = cuda_lowering.kernel_or_reason(ctx.avals_in, config, None)
     if kernel is None:
@@ -259,6 +261,7 @@ def _decode_push_lowering(ctx, *operands, dcp_size, heads_own, config):
         **cuda_lowering.kernel_attributes(kernel),
         dcp_size=np.int64(dcp_size),
         heads_own=np.int64(heads_own),
+        split=np.int64(config.split),
     )
 
 
@@ -268,8 +271,7 @@ mlir.register_lowering(decode_push_p, _decode_push_lowering, platform="cuda")
 def decode_and_exchange(
     queries,
     kv,
-    rows,
-    valid,
+    tokens,
     scales,
     *,
     rank,
@@ -279,42 +281,45 @@ def decode_and_exchange(
     kernel_config: KernelConfig | None,
 ):
     """The whole push exchange of one dcp_decode, one custom call of two kernels: the decode
-    of every rank's query heads on this rank's keys (exchanging the query heads with the other
-    ranks' decodes first) pushed to the heads' owners, and the merge of what this rank owns
-    (under PDL behind the decode). No collective.
+    of every rank's query heads on this rank's keys (compacting them from the global tokens
+    and exchanging the query heads with the other ranks' decodes first) pushed to the heads'
+    owners, and the merge of what this rank owns (under PDL behind the decode). No
+    collective.
 
     queries [B, H_own, 576] float8_e4m3fn are this rank's heads (gathered head ``r * H_own +
-    h`` is head h of rank r); kv [N, W], rows [B, K], valid [B], scales f32[2] as
-    ``ops.kernel_operands`` makes them; rank and step int32 scalars. ``kernel_config`` forces
-    the decode's config (else the dispatch rule's, as for ``decode``). Returns the merged
-    latent [B, H_own, 512] bf16 and lse [B, H_own] f32 of this rank's heads. CUDA only
+    h`` is head h of rank r); kv [N, W] and scales f32[2] as ``ops.kernel_operands`` makes
+    them; tokens [B, K] int32 the global top-k tokens (t >= 0 with t % D == rank is this
+    rank's local row t // D, in that order its keys); rank and step int32 scalars.
+    ``kernel_config`` forces the decode's config (else the dispatch rule's, as for
+    ``decode``). Returns the merged latent [B, H_own, 512] bf16 and lse [B, H_own] f32 of
+    this rank's heads. CUDA only
     (``dcp_decode`` routes other platforms to the collectives).
     """
     batch, heads_own, _ = queries.shape
     padded = -(-dcp_size * heads_own // HEAD_TILE) * HEAD_TILE
     # Chosen here, not at lowering: the rule needs the gathered heads (Hp), q holds H_own.
-    config = kernel_config or cuda_lowering.dispatched_config(
-        batch, padded, rows.shape[1], valid_hint
-    )
+    width = tokens.shape[1]
+    config = kernel_config or cuda_lowering.dispatched_config(batch, padded, width, valid_hint)
     config = dataclasses.replace(config, exchange=True)  # the cubin that exchanges the queries
+    ctas_per_row = -(-padded // config.head_tile) * config.cluster[0]
     # The barriers keep XLA:GPU's dynamic-slice fusion from folding a slice of the operands or
     # an update of the results (e.g. a scan stacking the rows) into a clone of these calls: it
     # keeps the original too (it has side effects), so the exchange would run twice per step
     # (seen on the H200 with the first exchange design: the second merge timed out).
-    queries, kv, rows, valid, scales, rank, step = lax.optimization_barrier(
-        (queries, kv, rows, valid, scales, rank, step)
+    queries, kv, tokens, scales, rank, step = lax.optimization_barrier(
+        (queries, kv, tokens, scales, rank, step)
     )
-    merged = decode_push_p.bind(
+    latent, lse, _ = decode_push_p.bind(
         queries,
         kv,
-        rows,
-        valid,
+        tokens,
         scales,
         rank,
         step,
         dcp_size=dcp_size,
         heads_own=heads_own,
         config=config,
+        scratch_rows=batch * ctas_per_row * -(-width // config.split),
     )
-    latent, lse = lax.optimization_barrier(tuple(merged))
+    latent, lse = lax.optimization_barrier((latent, lse))
     return latent, lse

@@ -593,3 +593,78 @@ def test_dcp_decode_errors():
         call(q, kv, jnp.zeros((3, 8), jnp.int32), valid)
     with pytest.raises(TypeError, match="rows must be int32"):
         call(q, kv, rows.astype(jnp.int16), valid)
+
+
+# ---------------------------------------------------------------------------------------
+# dcp_decode_tokens: local_rows + dcp_decode in one call
+
+
+def tokens_program(mesh, *, block_size=None, exchange="collectives"):
+    """jit(shard_map(dcp_decode_tokens)): fn(q, kv, tokens, table, step), as dcp_program."""
+    paged = block_size is not None
+
+    def body(q, kv, tokens, table, step):
+        extra = dict(block_table=table, block_size=block_size) if paged else {}
+        return jax_sparse_mla.dcp_decode_tokens(
+            q, kv, tokens, axis_name=AXIS, softmax_scale=SOFTMAX_SCALE, q_scale=1.5,
+            kv_scale=0.75, exchange=exchange, step=step, **extra,
+        )  # fmt: skip
+
+    in_specs = (P(None, AXIS), P(AXIS), P(), P(AXIS) if paged else None, P())
+    out_specs = (P(None, AXIS), P(None, AXIS))
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+@pytest.mark.parametrize("dcp", [1, 2, 4])
+def test_dcp_decode_tokens_equals_local_rows_and_dcp_decode(dcp, paged):
+    """Bit for bit what local_rows + dcp_decode give, flat and paged (int16 tokens: cast)."""
+    rng = np.random.default_rng(300 + dcp)
+    batch, heads_own, width, n_local, block_size = 6, 5, 24, 40, 8
+    q = fp8(rng, (batch, dcp * heads_own, 576))
+    tokens = make_tokens(rng, batch, width, dcp, dcp * n_local)
+    if paged:
+        seqs = fp8(rng, (1, dcp * n_local, 576))
+        kv, table = shard_paged_cache(rng, seqs, dcp, block_size)
+    else:
+        kv, table, block_size = shard_flat_cache(fp8(rng, (dcp * n_local, 576)), dcp), None, None
+    want = run_dcp(
+        mesh_of(dcp), q, kv, tokens, table, block_size=block_size, q_scale=1.5, kv_scale=0.75
+    )
+    fn = tokens_program(mesh_of(dcp), block_size=block_size)
+    got = fn(q, kv, jnp.asarray(tokens, jnp.int16), table, jnp.int32(0))
+    for a, b in zip(want, got, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert np.isfinite(np.asarray(got[0], np.float32)).all()
+
+
+def test_dcp_decode_tokens_errors():
+    q, kv = jnp.zeros((2, 4, 576), FP8), jnp.zeros((16, 576), FP8)
+    tokens = jnp.zeros((2, 8), jnp.int32)
+    mesh = mesh_of(2)
+
+    def call(q, kv, tokens, **options):
+        fn = jax.shard_map(
+            lambda q, kv, tokens: jax_sparse_mla.dcp_decode_tokens(
+                q, kv, tokens, axis_name=AXIS, softmax_scale=1.0, **options
+            ),
+            mesh=mesh,
+            in_specs=(P(None, AXIS), P(AXIS), P()),
+            out_specs=(P(None, AXIS),) * 2,
+        )
+        return fn(q, kv, tokens)
+
+    with pytest.raises(ValueError, match=r"tokens must be \[B, K\]"):
+        call(q, kv, jnp.zeros((2, 8, 1), jnp.int32))
+    with pytest.raises(TypeError, match="tokens must be an integer array"):
+        call(q, kv, tokens.astype(jnp.float32))
+    with pytest.raises(ValueError, match="agree on B"):
+        call(q, kv, jnp.zeros((3, 8), jnp.int32))
+    with pytest.raises(ValueError, match="block_table and block_size go together"):
+        call(q, kv, tokens, block_size=4)
+    with pytest.raises(TypeError, match="q must be float8_e4m3fn"):
+        call(q.astype(jnp.bfloat16), kv, tokens)
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        call(q, kv, tokens, exchange="nccl")
+    with pytest.raises(ValueError, match="needs step="):
+        call(q, kv, tokens, exchange="push")

@@ -28,7 +28,7 @@ from test_dcp import (
 
 import jax_sparse_mla
 from jax_sparse_mla import cuda_lowering, push_exchange
-from jax_sparse_mla.dcp import dcp_decode, local_rows
+from jax_sparse_mla.dcp import _as_tokens, dcp_decode, local_rows
 
 
 @pytest.mark.parametrize("paged", [False, True])
@@ -167,18 +167,20 @@ def test_groups_follow_axis_index():
             assert [rank_of[d] for d in group] == list(range(size)), (axis_name, group)
 
 
-def _push_program(dcp, heads_own, batch):
-    """A jitted shard_map of local_rows + dcp_decode(exchange="push") and its arguments."""
+def _push_program(dcp, heads_own, batch, tokens_api=False):
+    """A jitted shard_map of local_rows + dcp_decode(exchange="push"), or with ``tokens_api``
+    of dcp_decode_tokens(exchange="push"), and its arguments."""
     rng = np.random.default_rng(1)
     q = fp8(rng, (batch, dcp * heads_own, 576))
     kv = fp8(rng, (dcp * 64, 576))
     tokens = jnp.asarray(make_tokens(rng, batch, 32, dcp, dcp * 64))
 
     def body(q, kv, tokens, step):
+        options = dict(axis_name=AXIS, softmax_scale=1.0, exchange="push", step=step)
+        if tokens_api:
+            return jax_sparse_mla.dcp_decode_tokens(q, kv, tokens, **options)
         rows, valid = local_rows(tokens, rank=lax.axis_index(AXIS), dcp_size=dcp)
-        return dcp_decode(
-            q, kv, rows, valid, axis_name=AXIS, softmax_scale=1.0, exchange="push", step=step
-        )
+        return dcp_decode(q, kv, rows, valid, **options)
 
     fn = jax.jit(
         jax.shard_map(
@@ -191,8 +193,8 @@ def _push_program(dcp, heads_own, batch):
     return fn, (q, kv, tokens, jnp.int32(0))
 
 
-def _lower_push_for_cuda(dcp=2, heads_own=16, batch=5):
-    fn, args = _push_program(dcp, heads_own, batch)
+def _lower_push_for_cuda(dcp=2, heads_own=16, batch=5, tokens_api=False):
+    fn, args = _push_program(dcp, heads_own, batch, tokens_api)
     return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -206,7 +208,8 @@ def test_cuda_lowering_needs_setup(monkeypatch):
         _lower_push_for_cuda()
 
 
-def test_cuda_lowering_is_one_custom_call_and_no_all_to_all(monkeypatch):
+@pytest.mark.parametrize("tokens_api", [False, True])
+def test_cuda_lowering_is_one_custom_call_and_no_all_to_all(monkeypatch, tokens_api):
     monkeypatch.setattr(push_exchange, "_ready_ordinals", {0, 1})  # as after dcp_setup
     try:
         push_exchange._load_library()
@@ -220,7 +223,7 @@ def test_cuda_lowering_is_one_custom_call_and_no_all_to_all(monkeypatch):
         return kernel_or_reason(avals, config, valid_hint)
 
     monkeypatch.setattr(cuda_lowering, "kernel_or_reason", recording)
-    text = _lower_push_for_cuda(dcp=2, heads_own=16, batch=5)
+    text = _lower_push_for_cuda(dcp=2, heads_own=16, batch=5, tokens_api=tokens_api)
     # The decode is the dispatched config's cubin that exchanges the query heads.
     assert len(asked) == 1 and asked[0].exchange, asked
     assert "all_to_all" not in text and "all_gather" not in text  # no collective at all
@@ -231,12 +234,16 @@ def test_cuda_lowering_is_one_custom_call_and_no_all_to_all(monkeypatch):
     assert push, text
     call = push.group(0)
     assert "has_side_effect = true" in call and "dcp_size = 2" in call, call
-    # This rank's own q heads and the local cache in, the merged rows of its heads out.
+    # This rank's own q heads, the local cache and the global tokens [B, K] in (the kernel
+    # compacts this rank's), the merged rows of its heads out and the kernel's scratch.
     assert "(tensor<5x16x576xf8E4M3FN>, tensor<" in call
-    results = "-> (tensor<5x16x512xbf16>, tensor<5x16xf32>)"
-    assert f"tensor<2xf32>, tensor<i32>, tensor<i32>) {results}" in call
-    assert "heads_own = 16" in call and 'kernel_name = "' in call
+    operands = "tensor<5x32xi32>, tensor<2xf32>, tensor<i32>, tensor<i32>)"
+    results = r"-> \(tensor<5x16x512xbf16>, tensor<5x16xf32>, tensor<\d+xi32>\)"
+    assert re.search(re.escape(operands) + " " + results, call), call
+    assert "heads_own = 16" in call and 'kernel_name = "' in call and "split = " in call
     assert "jax_sparse_mla_decode(" not in text  # no plain decode
+    # dcp_decode_tokens hands the tokens over as they are: no local_rows (its scatter).
+    assert ("stablehlo.scatter" in text) != tokens_api
 
 
 def test_export_for_cuda_keeps_the_exchange(monkeypatch):
@@ -267,3 +274,25 @@ def test_error_texts_come_from_the_library():
     assert "partials" in texts[0] and "parity" in texts[1] and "rank" in texts[2]
     assert "query heads" in texts[3] and texts[4] == "failed"
     assert len(set(texts)) == 5
+
+
+@pytest.mark.parametrize("dcp", [1, 2, 8])
+def test_rows_as_tokens_compact_back_to_the_same_keys(dcp):
+    """dcp_decode's push path hands the kernel its rows and valid as global tokens: this
+    rank's compaction of them (local_rows, which the kernel's mirrors) gives back valid and
+    the rows in order, a row outside the cache as row N (skipped by the kernel as before)."""
+    rng = np.random.default_rng(dcp)
+    n_rows, batch, width = 50, 6, 12
+    rows = rng.integers(-3, n_rows + 3, (batch, width)).astype(np.int32)
+    valid = np.array([0, width, 5, -2, width + 4, 1], np.int32)
+    for rank in range(dcp):
+        keys = jnp.arange(width) < jnp.asarray(valid)[:, None]
+        tokens = _as_tokens(jnp.asarray(rows), keys, n_rows=n_rows, rank=rank, dcp_size=dcp)
+        back, count = local_rows(tokens, rank=rank, dcp_size=dcp)
+        want = np.clip(valid, 0, width)
+        np.testing.assert_array_equal(np.asarray(count), want)
+        expected = np.where((rows >= 0) & (rows < n_rows), rows, n_rows)
+        for b in range(batch):
+            np.testing.assert_array_equal(np.asarray(back)[b, : want[b]], expected[b, : want[b]])
+    with pytest.raises(ValueError, match="do not fit"):
+        _as_tokens(jnp.asarray(rows), keys, n_rows=2**28, rank=0, dcp_size=8)

@@ -50,8 +50,12 @@ ARCH = "sm_90a"
 PARAMS = (
     "q",  # [B, Hp, ROW] u8; with an exchange this rank's own heads [B, heads_own, ROW]
     "kv",  # [n_rows, row_bytes] u8, the first ROW bytes of each row read
-    "rows",  # [B, width] i32
-    "valid",  # [B] i32
+    # [B, width] i32 local rows; the push cubins take the GLOBAL top-k tokens here instead
+    # (token t >= 0 with t % dcp == rank is local row t // dcp) and compact them themselves.
+    "rows",
+    # [B] i32 valid rows; the push cubins take an i32 scratch [B, grid x, ceil(width / split)]
+    # here instead (each CTA's list of its keys' rows, written and read by that CTA).
+    "valid",
     "scales",  # f32[2]: scale_log2, out_scale
     "latent",  # [B, Hp, LATENT] bf16 (null with an exchange)
     "lse",  # [B, Hp] f32 (null with an exchange)
@@ -110,7 +114,7 @@ WG_LIVE_OFFSET = WG_RED_OFFSET + 2 * WG_HEADS * 4  # [WG_STAGES, WG_KEYS] i32: k
 # "P free" (warpgroup 0's and 1's 128 threads)
 WG_BAR_OFFSET = WG_LIVE_OFFSET + WG_STAGES * WG_KEYS * 4
 # u32: 1 where the push exchange's query heads of a rank did not arrive
-# (DecodeKernel.exchange_queries), kept here through the chunk loop: a register held across
+# (DecodeKernel.await_queries), kept here through the chunk loop: a register held across
 # the warpgroups' register reallocation spilled to local memory (split 1).
 WG_QUERIES_LATE_OFFSET = WG_BAR_OFFSET + 8 * (3 + 2 * WG_STAGES)
 WG_SMEM_BYTES = WG_QUERIES_LATE_OFFSET + 8
@@ -142,7 +146,7 @@ class KernelConfig:
     padded heads is (ceil(Hp / head_tile) * cluster[0], B, 1).
 
     ``exchange``: the cubin of dcp_decode(exchange="push"), whose CTAs exchange the query
-    heads with the other ranks' decodes before they read them (``entry.exchange_queries``);
+    heads with the other ranks' decodes before they read them (``entry.send_queries``);
     the plain cubin (False) has none of that code (in the shared cubins, skipped, it cost the
     plain decode 0.06-0.4 us at B = 5, session 40). Both push partials when given a mailbox.
     """

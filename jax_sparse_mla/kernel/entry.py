@@ -31,6 +31,8 @@ from jax_sparse_mla.kernel.exchange.config import TIMEOUT_QUERIES, slot_and_flag
 REPEATED_PARITY = 2
 WRONG_RANK = 3
 QUERY_UNITS = ROW // 16  # 16-byte units of a query head
+# Global tokens one pass of the push cubins' compaction covers (DSA's top-k: one pass there).
+COMPACT_PASS = 2048
 
 
 class Destination:
@@ -48,6 +50,9 @@ class DecodeKernel:
     def __init__(self, config: KernelConfig):
         self.config = config
         self.split = config.split
+        # Bytes between a CTA's row indices: its interleaved share of rows[b], or the push
+        # cubins' list of them (compact_tokens).
+        self.row_step = 4 if config.exchange else 4 * config.split
 
     def merge_layout(self, tile_heads: int, stats_in_blocks: bool = False) -> None:
         """The cluster merge's sizes for ``tile_heads`` heads per cluster: ``cols`` latent
@@ -187,60 +192,117 @@ class DecodeKernel:
         ptx.store_global_f32(address, lse2 * Float32(LN2))
 
     @cute.jit
-    def exchange_queries(
-        self,
-        mQ,
-        mExchange,
-        mRank,
-        mStep,
-        heads,
-        dcp,
-        heads_own,
-        query_offset,
-        query_flags_offset,
-        b,
-        sLate,
-        x,
-        part,
-        first_head,
-        tile_heads: int,
-        tid,
+    def compact_tokens(
+        self, mTokens, mScratch, mRank, dcp, width, b, x, part, sCounts, sHead, head: int, tid
     ):
-        """Where row b's query heads first_head .. first_head + tile_heads (shared by the
-        tile's ``split`` CTAs x - part ..) are read from, after their exchange.
+        """This rank's keys of row b, from the row's global top-k tokens (the push cubins take
+        them in place of ``local_rows``' rows and valid): token t >= 0 with t % dcp == rank is
+        local row t // dcp (vLLM's interleaved layout), the others are not this rank's. In
+        token order they are the row's keys 0 .. n - 1, and key part + split j, this CTA's
+        j-th, goes to entry j of the CTA's list: the keys and their order of ``local_rows`` +
+        the plain decode. Entries j < ``head`` (the first chunks', read at once) go to
+        ``sHead`` (i32, shared: no round trip through memory on the prologue's critical
+        path), the others to the scratch [B, grid x, ceil(width / split)] i32 at (b, x).
 
-        Returns (ok, own, mailbox, lo, hi): 16-byte piece f (of the tile's tile_heads * 36,
-        head by head) lies at (own if lo <= f < hi else mailbox) + 16 f. Without an exchange
-        all of q [B, Hp, ROW] (own). With one, this rank's heads from q [B, H_own, ROW] (own)
-        and the others' from this device's query rows of the slot ([2][B][Hp][ROW] at
-        query_offset in the data region), where the other ranks' decodes pushed them: first
-        this CTA's share of this rank's heads among the tile's is stored into the slot's query
-        rows of every other rank and flag [slot, rank, b, x] released there (one system-scope
-        release per rank, thread p for rank p, at once; release is cumulative over the CTA's
-        stores), while flags [slot, s, b, x - part .. x - part + split) here are acquire-polled
-        (by threads of warp 1 on) for every other rank s whose heads the tile holds, bounded by
-        the header's timeout.
-        ok is 1 when they all arrived (always without an exchange), else 0 with the error
-        (TIMEOUT_QUERIES, step, b, s) recorded. A padded head past the D ranks' reads the
-        mailbox (its result is never kept).
+        Passes of COMPACT_PASS tokens, each thread a run of them: ballots of the runs' tokens
+        and a sum of the warps' counts (``sCounts``: 2 x warps u32, alternating) give each
+        token its key. Every warp issues all of it, so it is written for few instructions (a
+        shuffle scan and divisions took ~1 us per launch: ~330 instructions x 4 warps per
+        scheduler, session 43). All threads take part; ends with a CTA barrier (the list's
+        entries are read by other threads). Returns (n, the address of the list in the
+        scratch)."""
+        threads = self.config.block[0]
+        warps = threads // 32
+        each = -(-COMPACT_PASS // threads)
+        lane, warp = tid % 32, tid // 32
+        rank = ptx.load_global_i32(mRank.toint())
+        columns, _, _ = cute.arch.grid_dim()
+        entries = (width + self.split - 1) // self.split
+        listed = mScratch.toint() + (Int64(b) * Int32(columns) + x) * entries * 4
+        tokens_at = mTokens.toint() + Int64(b) * width * 4
+        shift = self.split.bit_length() - 1  # split is a power of two
+        # t // dcp as mul.hi(t, floor((2**32 - 1) / dcp)), low by at most 1 for t < 2**32,
+        # then one correction (div.u32 per token: ~10 instructions and a reciprocal per pass).
+        magic = ptx.div_u32(Int32(-1), dcp)
+        rows = cute.make_rmem_tensor((each,), Int32)
+        ballots = cute.make_rmem_tensor((each,), Int32)
+        lanes_below = Int32(cute.arch.lanemask_lt())
+        n = Int32(0)
+        parity = Int32(0)
+        for start in cutlass.range(0, width, threads * each, unroll=1):
+            first = start + tid * each
+            run_at = tokens_at + Int64(first) * 4  # the run's loads at immediate offsets
+            below = Int32(0)  # this warp's tokens of this rank before this thread's run
+            for e in cutlass.range_constexpr(each):
+                inside = first + e < width
+                token = ptx.load_global_i32_if(inside, run_at + 4 * e)
+                position = ptx.mul_hi_u32(token, magic)
+                low = token - position * dcp
+                over = low >= dcp  # signed: 0 <= low < 2 dcp for a token >= 0
+                ours = inside & (token >= 0) & (low - ptx.where_i32(over, dcp, 0) == rank)
+                rows[e] = ptx.where_i32(ours, position + Int32(over), -1)
+                ballots[e] = cute.arch.vote_ballot_sync(ours)
+                below = below + cute.arch.popc(ballots[e] & lanes_below)
+            counts = sCounts + parity * (warps * 4)
+            if lane == 0:
+                in_warp = Int32(0)
+                for e in cutlass.range_constexpr(each):
+                    in_warp = in_warp + cute.arch.popc(ballots[e])
+                ptx.store_shared_u32(counts + warp * 4, in_warp)
+            cute.arch.sync_threads()
+            # Lane l holds warp l's count: the warps before this one, and all of them.
+            total = ptx.where_i32(lane < warps, ptx.load_shared_u32(counts + lane % warps * 4), 0)
+            key = n + cute.arch.warp_redux_sync(ptx.where_i32(lane < warp, total, 0), "add")
+            key = key + below
+            n = n + cute.arch.warp_redux_sync(total, "add")
+            for e in cutlass.range_constexpr(each):
+                row = rows[e]
+                take = (row >= 0) & ((key & (self.split - 1)) == part)
+                j = key >> shift
+                if take & (j < head):
+                    ptx.store_shared_u32(sHead + j * 4, row)
+                if take & (j >= head):
+                    ptx.store_global_b32(listed + Int64(j) * 4, row)
+                key = key + Int32(row >= 0)
+            parity = 1 - parity
+        cute.arch.sync_threads()
+        return n, listed
+
+    @cute.jit
+    def send_queries(
+        self, mQ, mExchange, mRank, mStep, heads, dcp, heads_own, query_offset, b, sLate, part,
+        first_head, tile_heads: int, tid,
+    ):  # fmt: skip
+        """The query heads' exchange, first half: where row b's query heads first_head ..
+        first_head + tile_heads (shared by the tile's ``split`` CTAs) are read from once
+        exchanged, and this CTA's share of this rank's heads among them stored into the slot's
+        query rows of every other rank (plain stores; await_queries releases them after a CTA
+        barrier, so that they drain meanwhile: the push cubins compact their tokens between).
+
+        Returns (own, mailbox, lo, hi, units): 16-byte piece f (of the tile's tile_heads * 36,
+        head by head) lies at (own if lo <= f < hi else mailbox) + 16 f, ``units`` this rank's
+        pieces in the tile. Without an exchange all of q [B, Hp, ROW] (own). With one, this
+        rank's heads from q [B, H_own, ROW] (own) and the others' from this device's query
+        rows of the slot ([2][B][Hp][ROW] at query_offset in the data region), where the other
+        ranks' decodes push them. A padded head past the D ranks' reads the mailbox (its
+        result is never kept).
 
         Only the push exchange's cubins (``KernelConfig.exchange``) call this; all the CTA's
-        threads take part. ``sLate``, a shared u32, ends as 1 - ok until the CTA writes it
-        again: it is the CTA-wide OR of the timeouts (bar.red.or here faulted with an illegal
-        address in cluster-mma, session 40, though every sanitizer passed)."""
+        threads take part. ``sLate``, a shared u32, is set to 0 here (await_queries' OR of the
+        timeouts)."""
         if tid == 0:
             ptx.store_shared_u32(sLate, 0)
-        ok = Int32(1)
         own = mQ.toint() + Int64(b * heads + first_head) * ROW
         mailbox = own
         lo = Int32(0)
         hi = Int32(tile_heads * QUERY_UNITS)
+        units = Int32(0)
         header = mExchange.toint()
         if header != 0:
             rank = ptx.load_global_i32(mRank.toint())
             step = ptx.load_global_i32(mStep.toint())
-            slot, flag = slot_and_flag(step)
-            width, batch, _ = cute.arch.grid_dim()
+            slot, _ = slot_and_flag(step)
+            _, batch, _ = cute.arch.grid_dim()
             region = xptx.load_global_u64(header + HEADER_OWN_DATA)  # not after the rank's
             own_first = rank * heads_own
             # Offset (in any rank's data region) of the tile's first head of row b in the slot.
@@ -251,10 +313,9 @@ class DecodeKernel:
             mailbox = region + row_at
             lo = (own_first - first_head) * QUERY_UNITS
             hi = lo + heads_own * QUERY_UNITS
+            units = max(min(tile_heads * QUERY_UNITS, hi) - max(lo, Int32(0)), Int32(0))
             if dcp > 1:  # a group of one (tests, bench_dcp --loopback) has no one to wait for
                 threads = self.config.block[0]
-                units = min(tile_heads * QUERY_UNITS, hi) - max(lo, Int32(0))
-                units = max(units, Int32(0))
                 share = (units + self.split - 1) // self.split
                 start = max(lo, Int32(0)) + part * share  # this CTA's pieces: start ..
                 end = max(lo, Int32(0)) + min(units, (part + 1) * share)
@@ -264,30 +325,56 @@ class DecodeKernel:
                         if peer != rank:
                             to = xptx.load_global_u64(header + Int64(peer) * 8)
                             ptx.store_global_v4(to + row_at + Int64(f) * 16, words)
-                cute.arch.sync_threads()
-                if (units > 0) & (tid < dcp) & (tid != rank):
-                    to = xptx.load_global_u64(header + Int64(tid) * 8)
-                    at = ((slot * dcp + rank) * Int32(batch) + b) * Int32(width) + x
-                    ptx.release_flag_sys(to + Int64(query_flags_offset) + Int64(at) * 4, flag)
-                real = dcp * heads_own
-                first_source = first_head // heads_own
-                last_source = (min(first_head + tile_heads, real) - 1) // heads_own
-                # Polled from warp 1 on: warp 0's releases wait for a system-scope fence.
-                poller = tid - 32
-                source = first_source + poller // self.split
-                late = Int32(0)
-                if (poller >= 0) & (source <= last_source) & (source != rank):
-                    at = ((slot * dcp + source) * Int32(batch) + b) * Int32(width) + x - part
-                    at = at + poller % self.split
-                    flag_at = region + Int64(query_flags_offset) + Int64(at) * 4
-                    timeout = xptx.load_global_u64(header + HEADER_TIMEOUT)
-                    late = xptx.poll_flag_sys(flag_at, flag, timeout)
-                if late != 0:
-                    ptx.store_shared_u32(sLate, 1)
-                    ptx.record_failure(header, TIMEOUT_QUERIES, step, b, source)
-                cute.arch.sync_threads()
-                ok = 1 - ptx.load_shared_u32(sLate)
-        return ok, own, mailbox, lo, hi
+        return own, mailbox, lo, hi, units
+
+    @cute.jit
+    def await_queries(
+        self, mExchange, mRank, mStep, dcp, heads_own, query_flags_offset, b, sLate, x, part,
+        first_head, tile_heads: int, units, tid,
+    ):  # fmt: skip
+        """The query heads' exchange, second half, after a CTA barrier behind send_queries'
+        stores: flag [slot, rank, b, x] released in every other rank's mailbox (one
+        system-scope release per rank, threads of the last warp, at once; release is
+        cumulative over the CTA's stores), while flags [slot, s, b, x - part .. x - part +
+        split) here are acquire-polled (by threads of warp 0 on) for every other rank s whose
+        heads the tile holds, bounded by the header's timeout. Returns ok: 1 when they all
+        arrived (always without an exchange), else 0 with the error (TIMEOUT_QUERIES, step, b,
+        s) recorded. All threads take part; with an exchange of D > 1 it ends with a CTA
+        barrier. (bar.red.or for the CTA-wide OR of the timeouts
+        faulted with an illegal address in cluster-mma, session 40, though every sanitizer
+        passed: hence ``sLate``.)"""
+        ok = Int32(1)
+        header = mExchange.toint()
+        if (header != 0) & (dcp > 1):
+            rank = ptx.load_global_i32(mRank.toint())
+            step = ptx.load_global_i32(mStep.toint())
+            slot, flag = slot_and_flag(step)
+            width, batch, _ = cute.arch.grid_dim()
+            region = xptx.load_global_u64(header + HEADER_OWN_DATA)
+            threads = self.config.block[0]
+            # Released by the last warp: warp 0's gather slots must not wait for the fence.
+            releaser = tid - (threads - 32)
+            if (units > 0) & (releaser >= 0) & (releaser < dcp) & (releaser != rank):
+                to = xptx.load_global_u64(header + Int64(releaser) * 8)
+                at = ((slot * dcp + rank) * Int32(batch) + b) * Int32(width) + x
+                ptx.release_flag_sys(to + Int64(query_flags_offset) + Int64(at) * 4, flag)
+            real = dcp * heads_own
+            first_source = first_head // heads_own
+            last_source = (min(first_head + tile_heads, real) - 1) // heads_own
+            source = first_source + tid // self.split
+            late = Int32(0)
+            if (source <= last_source) & (source != rank):
+                at = ((slot * dcp + source) * Int32(batch) + b) * Int32(width) + x - part
+                at = at + tid % self.split
+                flag_at = region + Int64(query_flags_offset) + Int64(at) * 4
+                timeout = xptx.load_global_u64(header + HEADER_TIMEOUT)
+                late = xptx.poll_flag_sys(flag_at, flag, timeout)
+            if late != 0:
+                ptx.store_shared_u32(sLate, 1)
+                ptx.record_failure(header, TIMEOUT_QUERIES, step, b, source)
+            cute.arch.sync_threads()
+            ok = 1 - ptx.load_shared_u32(sLate)
+        return ok
 
     def destination(
         self, mLatent, mLse, mExchange, mRank, mStep, dcp, heads_own, latent_offset, lse_offset,
@@ -297,7 +384,7 @@ class DecodeKernel:
         mailbox header: a rank other than dcp_setup's, or the previous exchange's step parity
         (its slot may still be merged), pushes nothing (``ok`` false; see finish_push); so
         does a CTA whose peers' query heads did not arrive (``queries_ok`` 0: its error is
-        recorded already, see exchange_queries)."""
+        recorded already, see await_queries)."""
         header = mExchange.toint()
         push = header != 0
         rank = ptx.load_global_i32_if(push, mRank.toint())

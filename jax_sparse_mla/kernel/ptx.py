@@ -80,6 +80,20 @@ def where_i64(cond, if_true, if_false, *, loc=None, ip=None) -> Int64:
     return _select(Int64, cond, if_true, if_false, loc, ip)
 
 
+@dsl_user_op
+def div_u32(a, b, *, loc=None, ip=None) -> Int32:
+    """a / b of unsigned 32-bit values (div.u32: no sign fix-ups of a signed division)."""
+    operands = [_i32(a, loc, ip), _i32(b, loc, ip)]
+    return Int32(_asm(T.i32(), operands, "div.u32 $0, $1, $2;", "=r,r,r", False, loc, ip))
+
+
+@dsl_user_op
+def mul_hi_u32(a, b, *, loc=None, ip=None) -> Int32:
+    """The high 32 bits of the unsigned 64-bit product a * b (mul.hi.u32)."""
+    operands = [_i32(a, loc, ip), _i32(b, loc, ip)]
+    return Int32(_asm(T.i32(), operands, "mul.hi.u32 $0, $1, $2;", "=r,r,r", False, loc, ip))
+
+
 # ---- global memory -----------------------------------------------------------------------
 
 

@@ -32,7 +32,7 @@ static: the batch is the grid's y extent, and the cache rows, index width K, pad
 cache row pitch arrive as parameters, so one cubin serves every shape. Nothing is read before
 griddepcontrol.wait (PDL). The push exchange's cubin of a config (``KernelConfig.exchange``)
 first exchanges the tile's query heads with the other ranks' decodes (``entry.py``'s
-exchange_queries).
+send_queries and await_queries).
 """
 
 from __future__ import annotations
@@ -228,8 +228,7 @@ class SparseDecode(DecodeKernel):
         # Nothing above reads the inputs: the kernel before may still be running.
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
-        exchange = self.config.exchange
-        if cutlass.const_expr(self.split == 8 and not exchange):
+        if cutlass.const_expr(self.split == 8 and not self.config.exchange):
             # Split 8's CTAs hold few keys: its header reads overlap the inputs' here (session
             # 28: -0.11 us at B=1 x 128 heads x 256 keys; a pair's CTAs were 0.05 us slower).
             dest = self.destination(
@@ -237,33 +236,50 @@ class SparseDecode(DecodeKernel):
                 lse_offset, b, Int32(1),
             )  # fmt: skip
 
-        # Keys are split interleaved (key i -> CTA i % split): where this CTA's row indices lie
-        # does not depend on the count, so the first chunk's indices (and the query) are read
-        # together with it; an index past the count is read (in bounds) but never used.
-        rows_base = mRows.toint() + (Int64(b) * width + part) * 4
-        reach = (width - part + self.split - 1) // self.split  # this CTA's positions in rows[b]
-        row = self.load_row(rows_base, min(reach, Int32(CHUNK)), 0, lane, slot)
+        exchange = self.config.exchange
         q_tile = min(tile, heads // HEADS - 1)
+        if cutlass.const_expr(exchange):
+            # This CTA's share of this rank's query heads goes to the other ranks' decodes
+            # first (sLate: sRed's first word); their release waits for the CTA barrier that
+            # ends the compaction of the global tokens in mRows: this CTA's keys' rows listed,
+            # chunk 0's in sP (free until the chunk loop), the rest in the scratch.
+            q_own, q_mailbox, q_lo, q_hi, q_units = self.send_queries(
+                mQ, mExchange, mRank, mStep, heads, dcp, heads_own, query_offset, b, sRed,
+                part, q_tile * HEADS, HEADS, tid,
+            )  # fmt: skip
+            n, rows_base = self.compact_tokens(
+                mRows, mValid, mRank, dcp, width, b, x, part, sRed + 16, sP, CHUNK, tid
+            )
+            mine = self.keys_of_cta(n, width, part)
+            row = Int32(-1)
+            if (lane < SLOTS) & (slot < mine):
+                row = ptx.load_shared_u32(sP + slot * 4)
+        else:
+            # Keys are split interleaved (key i -> CTA i % split): where this CTA's row
+            # indices lie does not depend on the count, so the first chunk's indices (and the
+            # query) are read together with it; an index past the count is read (in bounds)
+            # but never used.
+            rows_base = mRows.toint() + (Int64(b) * width + part) * 4
+            reach = (width - part + self.split - 1) // self.split  # its positions in rows[b]
+            row = self.load_row(rows_base, min(reach, Int32(CHUNK)), 0, lane, slot)
         queries_ok = Int32(1)
         # What every chunk's gather shares: the cache's shape, this thread's slot, the pair.
         shared = (n_rows, row_bytes, lane, slot, member, mask)
-        # A pair's push cubin gathers chunk 0 first: it needs no query, so its rows land while
-        # the query heads are exchanged (a system-scope release and a poll: ~1 us at D >= 2
+        # A pair's push cubin gathers chunk 0 before it awaits the query heads: it needs no
+        # query, so its rows land while the heads are released and polled (~1 us at D >= 2
         # with the peers' heads there already). Single tiles (splits 1, 8) measured slower so
         # (rank-full +0.3 / +1 us per launch, their query loads behind the copies; session 42).
         early = exchange and self.tiles > 1
         if cutlass.const_expr(early):
-            mine = self.keys_of_cta(ptx.load_global_i32(mValid.toint() + Int64(b) * 4), width, part)
             cute.arch.cluster_wait()  # the pair's barriers are armed for its multicasts
             if mine > 0:
                 self.gather(mKV, sKV, sLive, bar, row, mine, 0, *shared)
                 row = self.load_row(rows_base, mine, 1, lane, slot)
         if cutlass.const_expr(exchange):
-            # The other ranks' heads of the tile come from their decodes (and this CTA pushes
-            # its share of this rank's to them first).
-            queries_ok, q_own, q_mailbox, q_lo, q_hi = self.exchange_queries(
-                mQ, mExchange, mRank, mStep, heads, dcp, heads_own, query_offset,
-                query_flags_offset, b, sRed, x, part, q_tile * HEADS, HEADS, tid,
+            # The other ranks' heads of the tile come from their decodes.
+            queries_ok = self.await_queries(
+                mExchange, mRank, mStep, dcp, heads_own, query_flags_offset, b, sRed, x, part,
+                q_tile * HEADS, HEADS, q_units, tid,
             )  # fmt: skip
             query = self.load_exchanged_query(q_own, q_mailbox, q_lo, q_hi, tid)
             if cutlass.const_expr(self.split == 8):
@@ -276,10 +292,10 @@ class SparseDecode(DecodeKernel):
         scale_log2 = ptx.load_global_f32(mScales.toint())
         # Read now, used by the merge: a global load there put its latency on the critical path.
         out_scale = ptx.load_global_f32(mScales.toint() + 4)
-        if cutlass.const_expr(not early):
+        if cutlass.const_expr(not exchange):
             n = ptx.load_global_i32(mValid.toint() + Int64(b) * 4)
         self.store_query(sQ, query, tid)
-        if cutlass.const_expr(not early):
+        if cutlass.const_expr(not exchange):
             mine = self.keys_of_cta(n, width, part)
 
         m_run = cute.make_rmem_tensor((2,), Float32)  # rows group, group + 8 (log2 units)
@@ -524,12 +540,12 @@ class SparseDecode(DecodeKernel):
 
     @cute.jit
     def load_row(self, rows_base, limit, c, lane, slot):
-        """Slot ``slot``'s row index of chunk c: rows[b, part + split j] for j = c CHUNK + slot
-        if j < limit, else -1 (nothing read)."""
+        """Slot ``slot``'s row index of chunk c: rows[b, part + split j] (a push cubin: entry
+        j of the CTA's list) for j = c CHUNK + slot if j < limit, else -1 (nothing read)."""
         row = Int32(-1)
         j = c * CHUNK + slot
         if (lane < SLOTS) & (j < limit):
-            row = ptx.load_global_i32(rows_base + Int64(j) * (self.split * 4))
+            row = ptx.load_global_i32(rows_base + Int64(j) * self.row_step)
         return row
 
     @cute.jit
@@ -591,7 +607,7 @@ class SparseDecode(DecodeKernel):
 
     @cute.jit
     def load_exchanged_query(self, own, mailbox, lo, hi, tid):
-        """load_query after exchange_queries: piece f from (own if lo <= f < hi else
+        """load_query after the query heads' exchange: piece f from (own if lo <= f < hi else
         mailbox) + 16 f (generic loads: where peers wrote them, its acquire invalidated this
         SM's L1)."""
         words = []

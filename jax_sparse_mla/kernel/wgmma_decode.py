@@ -225,34 +225,51 @@ class WgmmaDecode(DecodeKernel):
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
 
-        # Chunk 0's and 1's row indices are read together with the count (in bounds of
-        # rows[b]) and masked once it has arrived; the consumers read none (row -1).
-        rows_base = mRows.toint() + (Int64(b) * width + part) * 4
-        reach = (width - part + self.split - 1) // self.split  # this CTA's positions in rows[b]
         rows = cute.make_rmem_tensor((KEYS_EACH,), Int32)  # this loader's rows of a chunk
         rows.fill(-1)
         rows_next = cute.make_rmem_tensor((KEYS_EACH,), Int32)
         rows_next.fill(-1)
-        if group == 2:
-            self.load_rows(rows_base, reach, 0, loader, rows)
-            self.load_rows(rows_base, reach, 1, loader, rows_next)
-        n = ptx.load_global_i32(mValid.toint() + Int64(b) * 4)
-        n = max(min(n, width), Int32(0))
-        mine = (n - part + self.split - 1) // self.split
-        chunks = (mine + WG_KEYS - 1) // WG_KEYS
-        for k in cutlass.range_constexpr(KEYS_EACH):
-            key = loader // COPIERS + ROW_KEYS * k  # this loader's key k of chunk 0
-            rows[k] = ptx.where_i32(key < mine, rows[k], -1)
-            rows_next[k] = ptx.where_i32(WG_KEYS + key < mine, rows_next[k], -1)
         exchange = self.config.exchange
         sLate = base + WG_QUERIES_LATE_OFFSET  # read again by the destination, at the end
         if cutlass.const_expr(exchange):
-            # The other ranks' heads of the tile come from their decodes (and this CTA pushes
-            # its share of this rank's to them first). Before chunk 0's fetch: its registers
-            # held through the wait spilled (split 1).
-            _, q_own, q_mailbox, q_lo, q_hi = self.exchange_queries(
-                mQ, mExchange, mRank, mStep, heads, dcp, heads_own, query_offset,
-                query_flags_offset, b, sLate, x, part, tile * WG_HEADS, WG_HEADS, tid,
+            # This CTA's share of this rank's query heads goes to the other ranks' decodes
+            # first; their release waits for the CTA barrier that ends the compaction of the
+            # global tokens in mRows: this CTA's keys' rows listed, chunks 0 and 1's in sP
+            # (free until the chunk loop, after the CTA barrier below), the rest in the
+            # scratch.
+            q_own, q_mailbox, q_lo, q_hi, q_units = self.send_queries(
+                mQ, mExchange, mRank, mStep, heads, dcp, heads_own, query_offset, b, sLate,
+                part, tile * WG_HEADS, WG_HEADS, tid,
+            )  # fmt: skip
+            n, rows_base = self.compact_tokens(
+                mRows, mValid, mRank, dcp, width, b, x, part, sRed, sP, 2 * WG_KEYS, tid
+            )
+            mine = (n - part + self.split - 1) // self.split
+            if group == 2:
+                self.load_rows(sP, mine, 0, loader, rows, shared=True)
+                self.load_rows(sP, mine, 1, loader, rows_next, shared=True)
+        else:
+            # Chunk 0's and 1's row indices are read together with the count (in bounds of
+            # rows[b]) and masked once it has arrived; the consumers read none (row -1).
+            rows_base = mRows.toint() + (Int64(b) * width + part) * 4
+            reach = (width - part + self.split - 1) // self.split  # its positions in rows[b]
+            if group == 2:
+                self.load_rows(rows_base, reach, 0, loader, rows)
+                self.load_rows(rows_base, reach, 1, loader, rows_next)
+            n = ptx.load_global_i32(mValid.toint() + Int64(b) * 4)
+            n = max(min(n, width), Int32(0))
+            mine = (n - part + self.split - 1) // self.split
+            for k in cutlass.range_constexpr(KEYS_EACH):
+                key = loader // COPIERS + ROW_KEYS * k  # this loader's key k of chunk 0
+                rows[k] = ptx.where_i32(key < mine, rows[k], -1)
+                rows_next[k] = ptx.where_i32(WG_KEYS + key < mine, rows_next[k], -1)
+        chunks = (mine + WG_KEYS - 1) // WG_KEYS
+        if cutlass.const_expr(exchange):
+            # The other ranks' heads of the tile come from their decodes. Before chunk 0's
+            # fetch: its registers held through the wait spilled (split 1).
+            self.await_queries(
+                mExchange, mRank, mStep, dcp, heads_own, query_flags_offset, b, sLate, x, part,
+                tile * WG_HEADS, WG_HEADS, q_units, tid,
             )  # fmt: skip
         staged = cute.make_rmem_tensor((KEYS_EACH * MINE * 4,), Int32)
         live = cute.make_rmem_tensor((KEYS_EACH,), Int32)  # the staged keys' flags
@@ -262,7 +279,7 @@ class WgmmaDecode(DecodeKernel):
         # (their S is 0, their output is not written).
         q_words = []
         if cutlass.const_expr(exchange):
-            # Piece f from exchange_queries' own or mailbox rows (generic loads: where peers
+            # Piece f from send_queries' own or mailbox rows (generic loads: where peers
             # wrote them, its acquire invalidated this SM's L1).
             last = (heads - tile * WG_HEADS) * PIECES - 1  # the tile's last piece within Hp
             for i in cutlass.range_constexpr(WG_HEADS * PIECES // WG_THREADS):
@@ -520,15 +537,19 @@ class WgmmaDecode(DecodeKernel):
         ptx.mbarrier_arrive(p_ready)
 
     @cute.jit
-    def load_rows(self, rows_base, mine, c, loader, rows):
+    def load_rows(self, rows_base, mine, c, loader, rows, shared: cutlass.Constexpr[bool] = False):
         """Into ``rows``, the row indices of loader ``loader``'s keys in chunk c:
-        rows[b, part + split j] for j = c WG_KEYS + loader / COPIERS + ROW_KEYS k, or -1 from
-        ``mine`` on (nothing read)."""
+        rows[b, part + split j] (a push cubin: entry j of the CTA's list) for j = c WG_KEYS +
+        loader / COPIERS + ROW_KEYS k, or -1 from ``mine`` on (nothing read). ``shared``: the
+        list's head in shared memory at ``rows_base`` (compact_tokens)."""
         for k in cutlass.range_constexpr(KEYS_EACH):
             j = c * WG_KEYS + loader // COPIERS + ROW_KEYS * k
             row = Int32(-1)
             if j < mine:
-                row = ptx.load_global_i32(rows_base + Int64(j) * (self.split * 4))
+                if cutlass.const_expr(shared):
+                    row = ptx.load_shared_u32(rows_base + j * 4)
+                else:
+                    row = ptx.load_global_i32(rows_base + Int64(j) * self.row_step)
             rows[k] = row
 
     @cute.jit

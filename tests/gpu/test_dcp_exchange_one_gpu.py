@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # cubin_launch, push_layout
-from push_layout import HEADER_BYTES, mailbox_header, padded_heads
+from push_layout import HEADER_BYTES, local_rows, mailbox_header, padded_heads, scratch_rows
 from push_layout import mailbox_layout as layout
 
 from jax_sparse_mla.kernel.config import KernelConfig
@@ -246,14 +246,16 @@ def run_push_step(device, config, *, dcp, batch, heads, step, arriving, timeout_
     """The ranks in ``arriving`` run their push step at once, rank r on stream r: its decode
     of all D * ``heads`` heads on its own cache (its exchange parameters as the FFI's push
     target passes them: it pushes its own query heads to the other ranks' decodes and waits
-    for theirs, then pushes its partials into the owners' mailboxes), then its merge. Returns
+    for theirs, then pushes its partials into the owners' mailboxes), then its merge. Every
+    rank's decode takes the same global tokens [B, 512] and compacts its own. Returns
     (queries [D, B, H, 576] fp8, caches, rows, valid, scales, {rank: (rows as f32 [B, H,
-    512], lse [B, H], error record)}); the decode is ``config``'s push cubin."""
+    512], lse [B, H], error record)}) with rank r's local rows and valid (``local_rows``) in
+    rows[r], valid[r]; the decode is ``config``'s push cubin."""
     from cubin_launch import CubinKernel, grid_columns
 
     from jax_sparse_mla.kernel.compile import get_kernel
 
-    n_rows, width = 600, 256
+    n_rows, width = 600, 512
     padded = padded_heads(dcp, heads)
     compiled = get_kernel(dataclasses.replace(config, exchange=True))
     kernel = CubinKernel(compiled.cubin, compiled.meta)
@@ -263,18 +265,23 @@ def run_push_step(device, config, *, dcp, batch, heads, step, arriving, timeout_
     rng = np.random.default_rng(5)
     queries = rng.uniform(-2, 2, (dcp, batch, heads, QUERY_ROW)).astype(ml_dtypes.float8_e4m3fn)
     caches = rng.uniform(-2, 2, (dcp, n_rows, QUERY_ROW)).astype(ml_dtypes.float8_e4m3fn)
-    rows = rng.integers(-4, n_rows + 4, (dcp, batch, width)).astype(np.int32)
-    # Rank 0 has no keys for row 1.
-    valid = rng.integers(0, width + 1, (dcp, batch)).astype(np.int32)
-    valid[:, 0] = width
-    valid[0, 1 % batch] = 0
+    # Global tokens: some negative (none), some past the ranks' caches (skipped keys); row 0
+    # all of rank 0's; a random share of row 1's for each rank, and none of rank 0's.
+    tokens = rng.integers(-8 * dcp, (n_rows + 4) * dcp, (batch, width)).astype(np.int32)
+    tokens[0] = tokens[0] - tokens[0] % dcp
+    if batch > 1 and dcp > 1:
+        tokens[1] = np.where(tokens[1] % dcp == 0, tokens[1] + 1, tokens[1])
+    per_rank = [local_rows(tokens, r, dcp) for r in range(dcp)]
+    rows, valid = np.stack([p[0] for p in per_rank]), np.stack([p[1] for p in per_rank])
+    scratch = scratch_rows(batch, flags_per_row, width, config.split)
     scales = np.array([576**-0.5 * 1.44269504, 1.25], np.float32)
     step_ptr = scalar(device, step)
     outs = {}
     for r in arriving:
         inputs = []
-        for array in (queries[r].view(np.uint8), caches[r].view(np.uint8), rows[r], valid[r],
-                      scales):  # fmt: skip
+        # The scratch zeroed: an entry read before its CTA wrote it would add cache row 0.
+        for array in (queries[r].view(np.uint8), caches[r].view(np.uint8), tokens,
+                      np.zeros(scratch, np.int32), scales):  # fmt: skip
             inputs.append(device.alloc(array.nbytes))
             device.upload(inputs[-1], array)
         rank_ptr = scalar(device, r)

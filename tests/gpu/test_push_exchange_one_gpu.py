@@ -26,7 +26,7 @@ import pytest
 from jax import lax
 
 import jax_sparse_mla
-from jax_sparse_mla import push_exchange
+from jax_sparse_mla import dcp, push_exchange
 from jax_sparse_mla.kernel.config import ALL_CONFIGS
 from jax_sparse_mla.ops import kernel_operands
 
@@ -54,13 +54,16 @@ def fresh_exchange(gpu):
 
 
 def pushed(q, kv, rows, valid, step, *, config):
-    """The whole push exchange of one rank of D = 1, as ``dcp_decode``'s push path runs it."""
+    """The whole push exchange of one rank of D = 1, as ``dcp_decode``'s push path runs it
+    (rows and valid encoded as the global tokens the kernel compacts)."""
     _, (_, kv, rows, valid, scales) = kernel_operands(
         q, kv, rows, valid, softmax_scale=SOFTMAX_SCALE, q_scale=1.0, kv_scale=1.25,
         implementation="cute", kernel_config=config, valid_hint=None,
     )  # fmt: skip
+    keys = jnp.arange(rows.shape[1]) < valid[:, None]
+    tokens = dcp._as_tokens(rows, keys, n_rows=kv.shape[0], rank=0, dcp_size=1)
     return push_exchange.decode_and_exchange(
-        q, kv, rows, valid, scales, rank=jnp.int32(0), step=step, dcp_size=1,
+        q, kv, tokens, scales, rank=jnp.int32(0), step=step, dcp_size=1,
         valid_hint=None, kernel_config=config,
     )  # fmt: skip
 
