@@ -8,19 +8,18 @@
 Per case (DESIGN.md's shapes per rank: B = 5 rows, the gathered heads H split over the D ranks,
 `keys` local keys per row on every rank, N = 131072 local cache rows), one jitted `lax.scan` of
 --steps decode steps runs `dcp_decode_tokens` inside `jax.shard_map` (a new query per step,
-scaled from one query by a small fusion, and new global top-k tokens every step, as in a model;
-the collectives run `local_rows` + `dcp_decode` on them, the push exchange's decode compacts
-them itself; unrolled, XLA computes the steps' `local_rows` together, which a model, whose
-tokens come from its last step, cannot: the scan's figures hold its per-step cost). Each call
-of the scan runs under the JAX profiler (CUPTI kernel records, host waiting between calls); per
-device we report the span of a call's kernels divided by the steps (loop overhead included;
-with --unroll the scan is unrolled, so no while loop runs between steps: XLA's GPU while loop
-copies its predicate to the host every iteration), and per kernel the summed duration per step
-(NCCL kernels include their wait for the other ranks, the push exchange's merge its wait for
-the peers' flags; the merge runs under PDL beside the pushing decode, so its duration includes
-the decode's and the sums overlap: the span is the step). The kernel path is
-implementation="cute": no fallback to the reference; the push exchange's custom call is checked
-in the compiled program and its error records (dcp_check) after the run.
+scaled from one query by a small fusion, and new global top-k tokens every step, tied to the
+previous step's result as a model's are: `step_tokens`; the collectives run `local_rows` +
+`dcp_decode` on them, the push exchange's decode compacts them itself). Each call of the scan
+runs under the JAX profiler (CUPTI kernel records, host waiting between calls); per device we
+report the span of a call's kernels divided by the steps (loop overhead included; with --unroll
+the scan is unrolled, so no while loop runs between steps: XLA's GPU while loop copies its
+predicate to the host every iteration), and per kernel the summed duration per step (NCCL
+kernels include their wait for the other ranks, the push exchange's merge its wait for the
+peers' flags; the merge runs under PDL beside the pushing decode, so its duration includes the
+decode's and the sums overlap: the span is the step). The kernel path is implementation="cute":
+no fallback to the reference; the push exchange's custom call is checked in the compiled
+program and its error records (dcp_check) after the run.
 
 --loopback runs the push exchange's custom call (the pushing decode, the merge) on
 one GPU set up as a group of one that exchanges with itself, at the cases' shapes with D = 1
@@ -66,57 +65,72 @@ def make_step(mesh: Mesh, dcp: int, exchange: str, unroll: bool):
     if exchange == "loopback":
         return make_loop(loopback_step, unroll, dcp)
 
-    def per_rank(q, kv, tokens, t):
-        return jax_sparse_mla.dcp_decode_tokens(
+    def per_rank(q, kv, tokens, t, link):
+        latent, lse = jax_sparse_mla.dcp_decode_tokens(
             q,
             kv,
-            tokens,
+            step_tokens(tokens, t, link, dcp),
             axis_name=AXIS,
             softmax_scale=192**-0.5,
             implementation="cute",
             exchange=exchange,
             step=t,
         )
+        return latent, lse, lse[:1, 0]
 
     step = jax.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=(P(None, AXIS), P(AXIS), P(), P()),
-        out_specs=(P(None, AXIS), P(None, AXIS)),
+        in_specs=(P(None, AXIS), P(AXIS), P(), P(), P(AXIS)),
+        out_specs=(P(None, AXIS), P(None, AXIS), P(AXIS)),
     )
     return make_loop(step, unroll, dcp)
 
 
-def loopback_step(q, kv, tokens, t):
+def step_tokens(tokens, t, link, dcp: int):
+    """Step t's global top-k tokens: ``tokens`` shifted by D t modulo the D * N global tokens
+    (on the same ranks, distinct in each row), tied to this rank's part of the previous
+    step's result (``link``) as a model's tokens are to its last output. With the same tokens
+    every step XLA computed ``local_rows`` once for the whole loop; untied, unrolled, it
+    computed the steps' together (session 42)."""
+    shifted = (tokens + dcp * t) % (dcp * LOCAL_ROWS)
+    shifted, _ = lax.optimization_barrier((shifted, link))
+    return shifted
+
+
+def loopback_step(q, kv, tokens, t, link):
     """dcp_decode_tokens' push path for a group of one GPU (see --loopback): the kernel takes
     the global tokens (at D = 1 all of them its own)."""
+    tokens = step_tokens(tokens, t, link, 1)
     valid = jnp.zeros(tokens.shape[:1], jnp.int32)  # checked for its shape only
     _, (_, kv, tokens, _, scales) = kernel_operands(
         q, kv, tokens, valid, softmax_scale=192**-0.5, q_scale=1.0, kv_scale=1.0,
         implementation="cute", kernel_config=None, valid_hint=None,
     )  # fmt: skip
-    return push_exchange.decode_and_exchange(
+    latent, lse = push_exchange.decode_and_exchange(
         q, kv, tokens, scales, rank=jnp.int32(0), step=t, dcp_size=1, valid_hint=None,
         kernel_config=None,
     )  # fmt: skip
+    return latent, lse, lse[:1, 0]
 
 
 def make_loop(step, unroll: bool, dcp: int):
+    """The jitted loop of ``step(q_t, kv, tokens, t, link) -> (latent, lse, link)``: the link
+    (one f32 per rank) carries each step's result into the next step's tokens."""
+
     def loop(q, kv, tokens, first_step, steps):
-        def body(carry, t):
+        def body(link, t):
             # A new query each step from one small elementwise fusion. (Scanning over a
             # stacked [steps, B, H, 576] query instead made XLA transpose the whole stack in
             # every iteration: ~21 us per step at rank-full that belongs to no decode.)
             scale = 1.0 + (t % 8).astype(jnp.float32) * 2.0**-3  # E4M3 steps are 2**-3
             q_t = (q.astype(jnp.float32) * scale).astype(q.dtype)
-            # New tokens each step, on the same ranks: a shift by D t modulo the D * N global
-            # tokens keeps t % D and each row's tokens distinct. (With the same tokens every
-            # step XLA computed local_rows once for the whole loop.)
-            tokens_t = (tokens + dcp * t) % (dcp * LOCAL_ROWS)
-            return carry, step(q_t, kv, tokens_t, t)
+            latent, lse, link = step(q_t, kv, tokens, t, link)
+            return link, (latent, lse)
 
         steps_array = first_step + jnp.arange(steps, dtype=jnp.int32)
-        outputs = lax.scan(body, 0, steps_array, unroll=steps if unroll else 1)[1]
+        link = jnp.zeros((dcp,), jnp.float32)
+        outputs = lax.scan(body, link, steps_array, unroll=steps if unroll else 1)[1]
         return outputs, first_step + steps
 
     return jax.jit(loop, static_argnums=4)
