@@ -292,8 +292,8 @@ def decode_and_exchange(
     rank's local row t // D, in that order its keys); rank and step int32 scalars.
     ``kernel_config`` forces the decode's config (else the dispatch rule's, as for
     ``decode``). Returns the merged latent [B, H_own, 512] bf16 and lse [B, H_own] f32 of
-    this rank's heads. CUDA only
-    (``dcp_decode`` routes other platforms to the collectives).
+    this rank's heads. CUDA only (``dcp_decode`` and ``dcp_decode_tokens`` route other
+    platforms to the collectives).
     """
     batch, heads_own, _ = queries.shape
     padded = -(-dcp_size * heads_own // HEAD_TILE) * HEAD_TILE

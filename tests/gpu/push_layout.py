@@ -1,6 +1,6 @@
 """The push exchange's mailbox header and data region as ffi/dcp_exchange.cc makes them
-(dcp_setup's header, MakeLayout's offsets), and the push cubins' tokens and scratch, for the
-one-GPU tests and benchmarks that play the FFI's part (no CUDA import)."""
+(dcp_setup's header, MakeLayout's offsets), and the push cubins' scratch, for the one-GPU
+tests and benchmarks that play the FFI's part (no CUDA import)."""
 
 from __future__ import annotations
 
@@ -52,17 +52,6 @@ def mailbox_layout(dcp: int, batch: int, heads_own: int, flags_per_row: int) -> 
     size = queries + 2 * batch * padded_heads(dcp, heads_own) * ROW
     return {"latent": latent, "lse": lse, "query_flags": query_flags, "queries": queries,
             "bytes": size}  # fmt: skip
-
-
-def local_rows(tokens: np.ndarray, rank: int, dcp: int) -> tuple[np.ndarray, np.ndarray]:
-    """``jax_sparse_mla.local_rows`` (flat cache) in numpy: rank's rows [B, K] (tokens t >= 0
-    with t % D == rank as t // D, in order, then -1) and valid [B]."""
-    mine = (tokens >= 0) & (tokens % dcp == rank)
-    rows = np.full(tokens.shape, -1, np.int32)
-    for b in range(tokens.shape[0]):
-        picked = tokens[b][mine[b]] // dcp
-        rows[b, : picked.size] = picked
-    return rows, mine.sum(axis=1).astype(np.int32)
 
 
 def scratch_rows(batch: int, columns: int, width: int, split: int) -> int:

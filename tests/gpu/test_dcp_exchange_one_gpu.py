@@ -30,8 +30,10 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # cubin_launch, push_layout
-from push_layout import HEADER_BYTES, local_rows, mailbox_header, padded_heads, scratch_rows
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # test_dcp
+from push_layout import HEADER_BYTES, mailbox_header, padded_heads, scratch_rows
 from push_layout import mailbox_layout as layout
+from test_dcp import local_rows_numpy
 
 from jax_sparse_mla.kernel.config import KernelConfig
 from jax_sparse_mla.kernel.exchange.config import (
@@ -271,7 +273,7 @@ def run_push_step(device, config, *, dcp, batch, heads, step, arriving, timeout_
     tokens[0] = tokens[0] - tokens[0] % dcp
     if batch > 1 and dcp > 1:
         tokens[1] = np.where(tokens[1] % dcp == 0, tokens[1] + 1, tokens[1])
-    per_rank = [local_rows(tokens, r, dcp) for r in range(dcp)]
+    per_rank = [local_rows_numpy(tokens, r, dcp) for r in range(dcp)]
     rows, valid = np.stack([p[0] for p in per_rank]), np.stack([p[1] for p in per_rank])
     scratch = scratch_rows(batch, flags_per_row, width, config.split)
     scales = np.array([576**-0.5 * 1.44269504, 1.25], np.float32)
