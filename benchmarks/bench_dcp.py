@@ -4,13 +4,16 @@
     python benchmarks/bench_dcp.py --dcp 2 --steps 64 --calls 5 --exchanges push
     python benchmarks/bench_dcp.py --unroll --steps 32   # no while loop: kernels back to back
     python benchmarks/bench_dcp.py --loopback       # ONE GPU: the push exchange with itself
+    python benchmarks/bench_dcp.py --paged 64       # a paged cache: blocks of 64, block tables
 
 Per case (DESIGN.md's shapes per rank: B = 5 rows, the gathered heads H split over the D ranks,
 `keys` local keys per row on every rank, N = 131072 local cache rows), one jitted `lax.scan` of
 --steps decode steps runs `dcp_decode_tokens` inside `jax.shard_map` (a new query per step,
 scaled from one query by a small fusion, and new global top-k tokens every step, tied to the
 previous step's result as a model's are: `step_tokens`; the collectives run `local_rows` +
-`dcp_decode` on them, the push exchange's decode compacts them itself). Each call of the scan
+`dcp_decode` on them, the push exchange's decode compacts them itself; with --paged the cache
+is a pool of blocks and each rank maps its positions through its block table [B, N / block]).
+Each call of the scan
 runs under the JAX profiler (CUPTI kernel records, host waiting between calls); per device we
 report the span of a call's kernels divided by the steps (loop overhead included; with --unroll
 the scan is unrolled, so no while loop runs between steps: XLA's GPU while loop copies its
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import json
 import os
 import statistics
@@ -50,6 +54,7 @@ from gpu_profile import Events, record, split_at_gaps
 
 import jax_sparse_mla
 from jax_sparse_mla import push_exchange
+from jax_sparse_mla.dcp import paged_as_tokens
 from jax_sparse_mla.ops import kernel_operands
 
 AXIS = "dcp"
@@ -61,27 +66,32 @@ CASES = {  # name -> (rows B, gathered heads H, local keys per row)
 }
 
 
-def make_step(mesh: Mesh, dcp: int, exchange: str, unroll: bool):
+def make_step(mesh: Mesh, dcp: int, exchange: str, unroll: bool, block_size: int | None):
+    """The loop of steps; ``block_size``: the cache is (kv pool, block table), else (kv,)."""
     if exchange == "loopback":
-        return make_loop(loopback_step, unroll, dcp)
+        return make_loop(functools.partial(loopback_step, block_size=block_size), unroll, dcp)
 
-    def per_rank(q, kv, tokens, t, link):
+    def per_rank(q, cache, tokens, t, link):
+        kv, *table = cache
         latent, lse = jax_sparse_mla.dcp_decode_tokens(
             q,
             kv,
             step_tokens(tokens, t, link, dcp),
             axis_name=AXIS,
             softmax_scale=192**-0.5,
+            block_table=table[0] if table else None,
+            block_size=block_size,
             implementation="cute",
             exchange=exchange,
             step=t,
         )
         return latent, lse, lse[:1, 0]
 
+    cache_specs = (P(AXIS),) if block_size is None else (P(AXIS), P(AXIS))
     step = jax.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=(P(None, AXIS), P(AXIS), P(), P(), P(AXIS)),
+        in_specs=(P(None, AXIS), cache_specs, P(), P(), P(AXIS)),
         out_specs=(P(None, AXIS), P(None, AXIS), P(AXIS)),
     )
     return make_loop(step, unroll, dcp)
@@ -98,10 +108,17 @@ def step_tokens(tokens, t, link, dcp: int):
     return shifted
 
 
-def loopback_step(q, kv, tokens, t, link):
+def loopback_step(q, cache, tokens, t, link, *, block_size):
     """dcp_decode_tokens' push path for a group of one GPU (see --loopback): the kernel takes
-    the global tokens (at D = 1 all of them its own)."""
+    the global tokens (at D = 1 all of them its own; on a paged cache mapped through the
+    block table first, as dcp_decode_tokens does)."""
+    kv, *table = cache
     tokens = step_tokens(tokens, t, link, 1)
+    if table:
+        n_rows = kv.shape[0] * kv.shape[1]
+        tokens = paged_as_tokens(
+            tokens, table[0], block_size=block_size, n_rows=n_rows, rank=0, dcp_size=1
+        )
     valid = jnp.zeros(tokens.shape[:1], jnp.int32)  # checked for its shape only
     _, (_, kv, tokens, _, scales) = kernel_operands(
         q, kv, tokens, valid, softmax_scale=192**-0.5, q_scale=1.0, kv_scale=1.0,
@@ -115,17 +132,17 @@ def loopback_step(q, kv, tokens, t, link):
 
 
 def make_loop(step, unroll: bool, dcp: int):
-    """The jitted loop of ``step(q_t, kv, tokens, t, link) -> (latent, lse, link)``: the link
-    (one f32 per rank) carries each step's result into the next step's tokens."""
+    """The jitted loop of ``step(q_t, cache, tokens, t, link) -> (latent, lse, link)``: the
+    link (one f32 per rank) carries each step's result into the next step's tokens."""
 
-    def loop(q, kv, tokens, first_step, steps):
+    def loop(q, cache, tokens, first_step, steps):
         def body(link, t):
             # A new query each step from one small elementwise fusion. (Scanning over a
             # stacked [steps, B, H, 576] query instead made XLA transpose the whole stack in
             # every iteration: ~21 us per step at rank-full that belongs to no decode.)
             scale = 1.0 + (t % 8).astype(jnp.float32) * 2.0**-3  # E4M3 steps are 2**-3
             q_t = (q.astype(jnp.float32) * scale).astype(q.dtype)
-            latent, lse, link = step(q_t, kv, tokens, t, link)
+            latent, lse, link = step(q_t, cache, tokens, t, link)
             return link, (latent, lse)
 
         steps_array = first_step + jnp.arange(steps, dtype=jnp.int32)
@@ -143,8 +160,8 @@ class Calls:
 
     next_step = None
 
-    def __init__(self, fn, q, kv, tokens, steps):
-        self.fn, self.args, self.steps = fn, (q, kv, tokens), steps
+    def __init__(self, fn, q, cache, tokens, steps):
+        self.fn, self.args, self.steps = fn, (q, cache, tokens), steps
 
     def __call__(self):
         first = jnp.int32(0) if Calls.next_step is None else Calls.next_step
@@ -152,19 +169,29 @@ class Calls:
         return outputs
 
 
-def inputs(mesh: Mesh, dcp: int, batch: int, heads: int, keys: int):
+def inputs(mesh: Mesh, dcp: int, batch: int, heads: int, keys: int, block_size: int | None):
     """The query [B, H, 576] (heads sharded), the cache (rank r holds global tokens r, r + D,
-    ...: local row p is token p * D + r) and the global top-k tokens (`keys` tokens of every
-    rank per row)."""
+    ...: local position p is token p * D + r) and the global top-k tokens (`keys` tokens of
+    every rank per row). The cache is (kv [D * N, 576],), or with ``block_size`` (a pool [D *
+    N / block_size, block_size, 576], block tables [D * B, N / block_size]): each rank's
+    blocks in a random order, the same for all its rows."""
     rng = np.random.default_rng(0)
     fp8 = jnp.float8_e4m3fn
     q = rng.standard_normal((batch, heads, 576)).astype(fp8)
     kv = rng.standard_normal((dcp * LOCAL_ROWS, 576)).astype(fp8)  # rank-major shards
     per_rank = [rng.choice(LOCAL_ROWS, (batch, keys)) * dcp + r for r in range(dcp)]
     tokens = np.concatenate(per_rank, axis=1).astype(np.int32)
+    ranks = NamedSharding(mesh, P(AXIS))
+    cache = (jax.device_put(kv, ranks),)
+    if block_size is not None:
+        blocks = LOCAL_ROWS // block_size
+        pool = kv.reshape(dcp * blocks, block_size, 576)
+        tables = [np.tile(rng.permutation(blocks), (batch, 1)) for _ in range(dcp)]
+        table = np.concatenate(tables).astype(np.int32)
+        cache = (jax.device_put(pool, ranks), jax.device_put(table, ranks))
     return (
         jax.device_put(q, NamedSharding(mesh, P(None, AXIS))),
-        jax.device_put(kv, NamedSharding(mesh, P(AXIS))),
+        cache,
         jax.device_put(tokens, NamedSharding(mesh, P())),
     )
 
@@ -254,6 +281,12 @@ def main() -> None:
         "--unroll", action="store_true", help="unroll the scan (no while loop between steps)"
     )
     parser.add_argument("--calls", type=int, default=5, help="profiled calls")
+    parser.add_argument(
+        "--paged",
+        type=int,
+        metavar="BLOCK",
+        help=f"a paged cache of blocks of BLOCK tokens (a divisor of {LOCAL_ROWS}) and tables",
+    )
     parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
     parser.add_argument(
         "--exchanges", nargs="+", default=["collectives", "push"], choices=["collectives", "push"]
@@ -267,6 +300,8 @@ def main() -> None:
         "--keep-traces", action="store_true", help="also copy each profile to --out"
     )
     args = parser.parse_args()
+    if args.paged is not None and (args.paged < 1 or LOCAL_ROWS % args.paged):
+        parser.error(f"--paged must divide {LOCAL_ROWS}, got {args.paged}")
     if args.loopback:
         args.dcp, args.exchanges = 1, ["loopback"]
     gpus = [d for d in jax.devices() if d.platform == "gpu"]
@@ -285,13 +320,13 @@ def main() -> None:
     for name in args.cases:
         batch, heads, keys = CASES[name]
         own = heads // args.dcp
-        data = inputs(mesh, args.dcp, batch, heads, keys)
+        data = inputs(mesh, args.dcp, batch, heads, keys, args.paged)
         for exchange in args.exchanges:
             print(
                 f"[{name}, {exchange}] B={batch} H={heads} ({own} per rank), local keys {keys}",
                 flush=True,
             )
-            fn = make_step(mesh, args.dcp, exchange, args.unroll)
+            fn = make_step(mesh, args.dcp, exchange, args.unroll, args.paged)
             compiled = fn.lower(*data, jnp.int32(0), args.steps).compile()
             if exchange != "collectives" and "jax_sparse_mla_decode_push" not in compiled.as_text():
                 raise SystemExit("the push exchange's custom call is not in the program")
@@ -307,7 +342,8 @@ def main() -> None:
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "dcp_results.json"), "w") as f:
-            json.dump({"date": time.strftime("%Y-%m-%d"), "results": results}, f, indent=1)
+            run = {"date": time.strftime("%Y-%m-%d"), "paged": args.paged, "results": results}
+            json.dump(run, f, indent=1)
 
 
 if __name__ == "__main__":

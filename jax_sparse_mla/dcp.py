@@ -187,6 +187,16 @@ def _as_tokens(rows, keys, *, n_rows: int, rank, dcp_size: int) -> jax.Array:
     return jnp.where(keys, row * dcp_size + rank, -1)
 
 
+def paged_as_tokens(tokens, block_table, *, block_size: int, n_rows: int, rank, dcp_size: int):
+    """Global tokens [B, K] int32 on a paged cache as the push cubins take them: this rank's
+    mapped through its block table to flat rows, encoded by ``_as_tokens``. One elementwise
+    kernel (XLA fuses it with the tokens' producer where it can: measured cheaper than the
+    same lookup inside the kernel, session 44)."""
+    mine = (tokens >= 0) & (tokens % dcp_size == rank)
+    rows = paged_rows(jnp.where(mine, tokens // dcp_size, 0), block_table, block_size)
+    return _as_tokens(rows, mine, n_rows=n_rows, rank=rank, dcp_size=dcp_size)
+
+
 def _collectives_exchange(latent, lse, *, axis_name, dcp_size):
     """all_to_all of the packed partials, then the merge (see the module docstring)."""
     batch, gathered, _ = latent.shape
@@ -356,9 +366,9 @@ def dcp_decode_tokens(
         tokens = tokens.astype(jnp.int32)
         if not table:
             return tokens  # the kernel compacts them as they are
-        mine = (tokens >= 0) & (tokens % dcp_size == rank)
-        rows = paged_rows(jnp.where(mine, tokens // dcp_size, 0), table[0], block_size)
-        return _as_tokens(rows, mine, n_rows=n_rows, rank=rank, dcp_size=dcp_size)
+        return paged_as_tokens(
+            tokens, table[0], block_size=block_size, n_rows=n_rows, rank=rank, dcp_size=dcp_size
+        )
 
     return _sharded_decode(
         q, kv, (tokens, *tables), to_local=to_local, to_tokens=to_tokens, axis_name=axis_name,

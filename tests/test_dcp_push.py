@@ -167,17 +167,23 @@ def test_groups_follow_axis_index():
             assert [rank_of[d] for d in group] == list(range(size)), (axis_name, group)
 
 
-def _push_program(dcp, heads_own, batch, tokens_api=False):
-    """A jitted shard_map of local_rows + dcp_decode(exchange="push"), or with ``tokens_api``
-    of dcp_decode_tokens(exchange="push"), and its arguments."""
+def _push_program(dcp, heads_own, batch, api="rows"):
+    """A jitted shard_map of local_rows + dcp_decode(exchange="push") (``api`` "rows"), of
+    dcp_decode_tokens(exchange="push") ("tokens") or of that on a paged cache with a block
+    table [B, 4] per rank ("paged"), and its arguments."""
     rng = np.random.default_rng(1)
     q = fp8(rng, (batch, dcp * heads_own, 576))
     kv = fp8(rng, (dcp * 64, 576))
     tokens = jnp.asarray(make_tokens(rng, batch, 32, dcp, dcp * 64))
+    tables = jnp.asarray(rng.integers(0, 4, (dcp * batch, 4)), jnp.int32)
 
-    def body(q, kv, tokens, step):
+    def body(q, kv, tokens, tables, step):
         options = dict(axis_name=AXIS, softmax_scale=1.0, exchange="push", step=step)
-        if tokens_api:
+        if api == "paged":
+            return jax_sparse_mla.dcp_decode_tokens(
+                q, kv.reshape(4, 16, 576), tokens, block_table=tables, block_size=16, **options
+            )
+        if api == "tokens":
             return jax_sparse_mla.dcp_decode_tokens(q, kv, tokens, **options)
         rows, valid = local_rows(tokens, rank=lax.axis_index(AXIS), dcp_size=dcp)
         return dcp_decode(q, kv, rows, valid, **options)
@@ -186,15 +192,15 @@ def _push_program(dcp, heads_own, batch, tokens_api=False):
         jax.shard_map(
             body,
             mesh=mesh_of(dcp),
-            in_specs=(P(None, AXIS), P(AXIS), P(), P()),
+            in_specs=(P(None, AXIS), P(AXIS), P(), P(AXIS), P()),
             out_specs=(P(None, AXIS), P(None, AXIS)),
         )
     )
-    return fn, (q, kv, tokens, jnp.int32(0))
+    return fn, (q, kv, tokens, tables, jnp.int32(0))
 
 
-def _lower_push_for_cuda(dcp=2, heads_own=16, batch=5, tokens_api=False):
-    fn, args = _push_program(dcp, heads_own, batch, tokens_api)
+def _lower_push_for_cuda(dcp=2, heads_own=16, batch=5, api="rows"):
+    fn, args = _push_program(dcp, heads_own, batch, api)
     return fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
@@ -208,8 +214,8 @@ def test_cuda_lowering_needs_setup(monkeypatch):
         _lower_push_for_cuda()
 
 
-@pytest.mark.parametrize("tokens_api", [False, True])
-def test_cuda_lowering_is_one_custom_call_and_no_all_to_all(monkeypatch, tokens_api):
+@pytest.mark.parametrize("api", ["rows", "tokens", "paged"])
+def test_cuda_lowering_is_one_custom_call_and_no_all_to_all(monkeypatch, api):
     monkeypatch.setattr(push_exchange, "_ready_ordinals", {0, 1})  # as after dcp_setup
     try:
         push_exchange._load_library()
@@ -223,7 +229,7 @@ def test_cuda_lowering_is_one_custom_call_and_no_all_to_all(monkeypatch, tokens_
         return kernel_or_reason(avals, config, valid_hint)
 
     monkeypatch.setattr(cuda_lowering, "kernel_or_reason", recording)
-    text = _lower_push_for_cuda(dcp=2, heads_own=16, batch=5, tokens_api=tokens_api)
+    text = _lower_push_for_cuda(dcp=2, heads_own=16, batch=5, api=api)
     # The decode is the dispatched config's cubin that exchanges the query heads.
     assert len(asked) == 1 and asked[0].exchange, asked
     assert "all_to_all" not in text and "all_gather" not in text  # no collective at all
@@ -242,8 +248,10 @@ def test_cuda_lowering_is_one_custom_call_and_no_all_to_all(monkeypatch, tokens_
     assert re.search(re.escape(operands) + " " + results, call), call
     assert "heads_own = 16" in call and 'kernel_name = "' in call and "split = " in call
     assert "jax_sparse_mla_decode(" not in text  # no plain decode
-    # dcp_decode_tokens hands the tokens over as they are: no local_rows (its scatter).
-    assert ("stablehlo.scatter" in text) != tokens_api
+    # dcp_decode_tokens hands the tokens over without local_rows (its scatter); on a paged
+    # cache it maps them through the table first (one gather, elementwise).
+    assert ("stablehlo.scatter" in text) == (api == "rows")
+    assert ("stablehlo.gather" in text) == (api == "paged")
 
 
 def test_export_for_cuda_keeps_the_exchange(monkeypatch):

@@ -27,7 +27,7 @@ from jax import lax
 
 import jax_sparse_mla
 from jax_sparse_mla import dcp, push_exchange
-from jax_sparse_mla.kernel.config import ALL_CONFIGS
+from jax_sparse_mla.kernel.config import ALL_CONFIGS, KernelConfig
 from jax_sparse_mla.ops import kernel_operands
 
 pytestmark = pytest.mark.gpu
@@ -105,6 +105,48 @@ def test_loopback_equals_the_plain_decode(config):
     for i, step in enumerate(steps):
         got = step_fn(q[i], kv, rows, valid, jnp.int32(step))
         assert_same(got, plain_fn(q[i], kv, rows, valid), (config, step))
+    jax_sparse_mla.dcp_check()
+
+
+@pytest.mark.parametrize(
+    "config, block_size, table_rows",
+    [(None, 64, 3), (KernelConfig("wgmma", 8), 24, 1), (KernelConfig("cluster-mma", 2), 16, 3)],
+    ids=lambda v: v.slug if isinstance(v, KernelConfig) else str(v),
+)
+def test_loopback_paged_equals_local_rows_and_the_plain_decode(config, block_size, table_rows):
+    """A paged cache [blocks, block_size, 576], the global tokens mapped through the block
+    table as dcp_decode_tokens' push path does (a table per row or one shared; positions past
+    the table, a negative entry, entries past the cache): the merged rows are the plain
+    decode's of ``dcp.local_rows``' rows, bit for bit."""
+    rng = np.random.default_rng(block_size)
+    n_blocks, batch, width = 12, 3, 300
+    q, _, _, _ = inputs(4, 1, batch, 48, width)
+    kv = jnp.asarray(rng.uniform(-2, 2, (n_blocks, block_size, 576)), jnp.float8_e4m3fn)
+    positions = (n_blocks + 2) * block_size
+    tokens = jnp.asarray(rng.integers(-5, positions, (batch, width)), jnp.int32)
+    table = np.stack([rng.permutation(n_blocks + 1)[:n_blocks] for _ in range(table_rows)])
+    table[0, 2] = -1
+    table = jnp.asarray(table, jnp.int32)
+    rows, valid = dcp.local_rows(
+        tokens, rank=0, dcp_size=1, block_table=table, block_size=block_size
+    )
+
+    def run(q, kv, tokens, table, step):
+        _, (_, kv, _, _, scales) = kernel_operands(
+            q, kv, tokens, valid, softmax_scale=SOFTMAX_SCALE, q_scale=1.0, kv_scale=1.25,
+            implementation="cute", kernel_config=config, valid_hint=None,
+        )  # fmt: skip
+        tokens = dcp.paged_as_tokens(
+            tokens, table, block_size=block_size, n_rows=kv.shape[0], rank=0, dcp_size=1
+        )
+        return push_exchange.decode_and_exchange(
+            q, kv, tokens, scales, rank=jnp.int32(0), step=step, dcp_size=1, valid_hint=None,
+            kernel_config=config,
+        )  # fmt: skip
+
+    got = jax.jit(run)(q[0], kv, tokens, table, jnp.int32(3))
+    want = jax.jit(functools.partial(plain, config=config))(q[0], kv.reshape(-1, 576), rows, valid)
+    assert_same(got, want, (config, block_size))
     jax_sparse_mla.dcp_check()
 
 
