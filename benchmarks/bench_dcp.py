@@ -13,16 +13,15 @@ scaled from one query by a small fusion, and new global top-k tokens every step,
 previous step's result as a model's are: `step_tokens`; the collectives run `local_rows` +
 `dcp_decode` on them, the push exchange's decode compacts them itself; with --paged the cache
 is a pool of blocks and each rank maps its positions through its block table [B, N / block]).
-Each call of the scan
-runs under the JAX profiler (CUPTI kernel records, host waiting between calls); per device we
-report the span of a call's kernels divided by the steps (loop overhead included; with --unroll
-the scan is unrolled, so no while loop runs between steps: XLA's GPU while loop copies its
-predicate to the host every iteration), and per kernel the summed duration per step (NCCL
-kernels include their wait for the other ranks, the push exchange's merge its wait for the
-peers' flags; the merge runs under PDL beside the pushing decode, so its duration includes the
-decode's and the sums overlap: the span is the step). The kernel path is implementation="cute":
-no fallback to the reference; the push exchange's custom call is checked in the compiled
-program and its error records (dcp_check) after the run.
+Each call of the scan runs under the JAX profiler (CUPTI kernel records, host waiting between
+calls); per device we report the span of a call's kernels divided by the steps (loop overhead
+included; with --unroll the scan is unrolled, so no while loop runs between steps: XLA's GPU
+while loop copies its predicate to the host every iteration), and per kernel the summed
+duration per step (NCCL kernels include their wait for the other ranks, the push exchange's
+merge its wait for the peers' flags; the merge runs under PDL beside the pushing decode, so its
+duration includes the decode's and the sums overlap: the span is the step). The kernel path is
+implementation="cute": no fallback to the reference; the push exchange's custom call is checked
+in the compiled program and its error records (dcp_check) after the run.
 
 --loopback runs the push exchange's custom call (the pushing decode, the merge) on
 one GPU set up as a group of one that exchanges with itself, at the cases' shapes with D = 1
