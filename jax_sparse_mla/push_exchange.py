@@ -62,7 +62,8 @@ __all__ = [
 DEFAULT_CAPACITY_BYTES = 64 << 20
 """Mailbox bytes per device: about ``2 * D * B * H_own * 1604`` are needed (two slots; D
 sources' bf16 rows and f32 LSEs; every rank's FP8 query heads; a few flags per row), so the
-default holds e.g. D=8, B=256, H_own=16. At most 2**31 - 1."""
+default holds e.g. D=8, B=160, H_own=16 (B=256 needs about 100 MiB: pass ``capacity_bytes``;
+a call that does not fit raises an error naming it). At most 2**31 - 1."""
 MAX_CAPACITY_BYTES = 2**31 - 1
 DEFAULT_TIMEOUT_S = 5.0
 """How long a decode waits for a rank's query heads, or a merge for a rank's partials, before
