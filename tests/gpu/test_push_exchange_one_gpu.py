@@ -53,19 +53,30 @@ def fresh_exchange(gpu):
     setup_loopback(gpu)
 
 
-def pushed(q, kv, rows, valid, step, *, config):
-    """The whole push exchange of one rank of D = 1, as ``dcp_decode``'s push path runs it
-    (rows and valid encoded as the global tokens the kernel compacts)."""
-    _, (_, kv, rows, valid, scales) = kernel_operands(
-        q, kv, rows, valid, softmax_scale=SOFTMAX_SCALE, q_scale=1.0, kv_scale=1.25,
+def pushed_tokens(q, kv, operands, to_tokens, step, *, config):
+    """The whole push exchange of one rank of D = 1 on the global tokens
+    ``to_tokens(kv [N, W], *operands)`` (kv flattened, as the kernel takes it)."""
+    batch = operands[0].shape[0]
+    valid = jnp.zeros((batch,), jnp.int32)  # checked for its shape only
+    _, (_, kv, _, _, scales) = kernel_operands(
+        q, kv, operands[0], valid, softmax_scale=SOFTMAX_SCALE, q_scale=1.0, kv_scale=1.25,
         implementation="cute", kernel_config=config, valid_hint=None,
     )  # fmt: skip
-    keys = jnp.arange(rows.shape[1]) < valid[:, None]
-    tokens = dcp._as_tokens(rows, keys, n_rows=kv.shape[0], rank=0, dcp_size=1)
     return push_exchange.decode_and_exchange(
-        q, kv, tokens, scales, rank=jnp.int32(0), step=step, dcp_size=1,
+        q, kv, to_tokens(kv, *operands), scales, rank=jnp.int32(0), step=step, dcp_size=1,
         valid_hint=None, kernel_config=config,
     )  # fmt: skip
+
+
+def pushed(q, kv, rows, valid, step, *, config):
+    """The push exchange as ``dcp_decode``'s push path runs it (rows and valid encoded as
+    the global tokens the kernel compacts)."""
+
+    def to_tokens(kv, rows, valid):
+        keys = jnp.arange(rows.shape[1]) < valid[:, None]
+        return dcp._as_tokens(rows, keys, n_rows=kv.shape[0], rank=0, dcp_size=1)
+
+    return pushed_tokens(q, kv, (rows, valid), to_tokens, step, config=config)
 
 
 def plain(q, kv, rows, valid, *, config):
@@ -131,18 +142,13 @@ def test_loopback_paged_equals_local_rows_and_the_plain_decode(config, block_siz
         tokens, rank=0, dcp_size=1, block_table=table, block_size=block_size
     )
 
-    def run(q, kv, tokens, table, step):
-        _, (_, kv, _, _, scales) = kernel_operands(
-            q, kv, tokens, valid, softmax_scale=SOFTMAX_SCALE, q_scale=1.0, kv_scale=1.25,
-            implementation="cute", kernel_config=config, valid_hint=None,
-        )  # fmt: skip
-        tokens = dcp.paged_as_tokens(
+    def to_tokens(kv, tokens, table):
+        return dcp.paged_as_tokens(
             tokens, table, block_size=block_size, n_rows=kv.shape[0], rank=0, dcp_size=1
         )
-        return push_exchange.decode_and_exchange(
-            q, kv, tokens, scales, rank=jnp.int32(0), step=step, dcp_size=1, valid_hint=None,
-            kernel_config=config,
-        )  # fmt: skip
+
+    def run(q, kv, tokens, table, step):
+        return pushed_tokens(q, kv, (tokens, table), to_tokens, step, config=config)
 
     got = jax.jit(run)(q[0], kv, tokens, table, jnp.int32(3))
     want = jax.jit(functools.partial(plain, config=config))(q[0], kv.reshape(-1, 576), rows, valid)
