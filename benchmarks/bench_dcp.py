@@ -98,13 +98,15 @@ def make_step(mesh: Mesh, dcp: int, exchange: str, unroll: bool, block_size: int
 
 def step_tokens(tokens, t, link, dcp: int):
     """Step t's global top-k tokens: ``tokens`` shifted by D t modulo the D * N global tokens
-    (on the same ranks, distinct in each row), tied to this rank's part of the previous
-    step's result (``link``) as a model's tokens are to its last output. With the same tokens
-    every step XLA computed ``local_rows`` once for the whole loop; untied, unrolled, it
-    computed the steps' together (session 42)."""
+    (on the same ranks, distinct in each row), computed from this rank's part of the previous
+    step's result (``link``) as a model's tokens are from its last output: none (-1) where it
+    is NaN (never, unless an exchange failed). With the same tokens every step XLA computed
+    ``local_rows`` once for the whole loop; untied, unrolled, it computed the steps' together
+    (session 42). Only a value XLA cannot fold orders the steps: tied by an
+    optimization_barrier, a scan unrolled by 8 ran a push exchange before its predecessor
+    (the exchange refused its parity; session 45)."""
     shifted = (tokens + dcp * t) % (dcp * LOCAL_ROWS)
-    shifted, _ = lax.optimization_barrier((shifted, link))
-    return shifted
+    return jnp.where(jnp.isnan(link).any(), -1, shifted)
 
 
 def loopback_step(q, cache, tokens, t, link, *, block_size):

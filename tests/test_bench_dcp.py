@@ -1,5 +1,8 @@
-"""benchmarks/bench_dcp.py on CPU: the categories it sums the kernels it times into."""
+"""benchmarks/bench_dcp.py on CPU: the categories it sums the kernels it times into, and the
+value tie between its steps."""
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 # Entry names as the DSL gives them (the shipped cubins' metadata, DSL 4.8.1; cut short):
@@ -24,3 +27,17 @@ def test_the_exchange_kernels_are_not_counted_as_the_decode(bench):
         assert bench.category(name).startswith("decode kernel"), name
     assert bench.category("ncclDevKernel_AllGather_RING_LL").startswith("nccl all-gather")
     assert bench.category("loop_convert_fusion_3") == "XLA fusions and copies"
+
+
+def test_step_tokens_are_computed_from_the_previous_result(bench):
+    """Each step's tokens depend on the previous step's result by value (XLA orders the push
+    exchanges only through data): a NaN result gives no tokens; else the tokens shifted by
+    D t, on the same ranks and distinct in each row."""
+    dcp, t = 4, 3
+    tokens = np.array([[0, 5, 10, 4 * bench.LOCAL_ROWS - 1]], np.int32)
+    got = np.asarray(bench.step_tokens(jnp.asarray(tokens), t, jnp.array([0.5]), dcp))
+    want = (tokens + dcp * t) % (dcp * bench.LOCAL_ROWS)
+    np.testing.assert_array_equal(got, want)
+    assert (got % dcp == tokens % dcp).all() and len(set(got[0])) == got.shape[1]
+    failed = bench.step_tokens(jnp.asarray(tokens), t, jnp.array([np.nan]), dcp)
+    np.testing.assert_array_equal(np.asarray(failed), -1)

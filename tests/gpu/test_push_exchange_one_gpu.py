@@ -156,22 +156,30 @@ def test_loopback_paged_equals_local_rows_and_the_plain_decode(config, block_siz
     jax_sparse_mla.dcp_check()
 
 
-def test_loopback_in_a_scan():
+@pytest.mark.parametrize("unroll", [1, 8])
+def test_loopback_in_a_scan(unroll):
     """64 exchanges in one lax.scan (the decode loop's shape; XLA may capture the loop's body
-    in a CUDA graph): every step's rows equal the plain decode's of its queries."""
+    in a CUDA graph), unrolled by 8 too (8 exchanges per iteration): every step's rows equal
+    the plain decode's of its queries. Each step's query depends on the previous step's
+    result, as a model's does: XLA orders the exchanges only through data (session 45: steps
+    tied by lax.optimization_barrier alone ran out of order and were refused)."""
     steps = 64
     q, kv, rows, valid = inputs(2, steps, 5, 96, 256)
 
     def loop(q, kv, rows, valid):
-        def body(step, q_step):
-            return step + 1, pushed(q_step, kv, rows, valid, step, config=None)
+        def body(carry, q_step):
+            step, previous_lse = carry
+            q_step = jnp.where(jnp.isnan(previous_lse).any(), jnp.zeros_like(q_step), q_step)
+            latent, lse = pushed(q_step, kv, rows, valid, step, config=None)
+            return (step + 1, lse), (latent, lse)
 
-        return lax.scan(body, jnp.int32(11), q)[1]
+        start = (jnp.int32(11), jnp.zeros(q.shape[1:3], jnp.float32))
+        return lax.scan(body, start, q, unroll=unroll)[1]
 
     latent, lse = jax.jit(loop)(q, kv, rows, valid)
     plain_fn = jax.jit(functools.partial(plain, config=None))
     for i in range(steps):
-        assert_same((latent[i], lse[i]), plain_fn(q[i], kv, rows, valid), i)
+        assert_same((latent[i], lse[i]), plain_fn(q[i], kv, rows, valid), (unroll, i))
     jax_sparse_mla.dcp_check()
 
 
