@@ -19,7 +19,9 @@ included; with --unroll the scan is unrolled, so no while loop runs between step
 while loop copies its predicate to the host every iteration), and per kernel the summed
 duration per step (NCCL kernels include their wait for the other ranks, the push exchange's
 merge its wait for the peers' flags; the merge runs under PDL beside the pushing decode, so its
-duration includes the decode's and the sums overlap: the span is the step). The kernel path is
+duration includes the decode's and the sums overlap: the span is the step), and where each
+microsecond of a step goes (a decode's start to the next one's; each instant counted once: the
+decode's where it runs, else the merge's, NCCL's, XLA's, else idle). The kernel path is
 implementation="cute": no fallback to the reference; the push exchange's custom call is checked
 in the compiled program and its error records (dcp_check) after the run.
 
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import itertools
 import json
 import os
 import statistics
@@ -59,6 +62,7 @@ from jax_sparse_mla.ops import kernel_operands
 AXIS = "dcp"
 CALL_GAP_NS = 10_000_000  # an idle GPU this long separates two calls (the host sleeps 5x it)
 LOCAL_ROWS = 131072
+IDLE = "idle (no kernel: launch gaps, the host)"
 CASES = {  # name -> (rows B, gathered heads H, local keys per row)
     "latency-h96": (5, 96, 256),
     "rank-full": (5, 128, 2048),
@@ -208,6 +212,36 @@ def category(name: str) -> str:
     return "XLA fusions and copies"
 
 
+def part_rank(part: str) -> int:
+    """Which part of a step an instant belongs to where kernels overlap: the decode's, else
+    the merge's (it runs beside the decode under PDL), else NCCL's, else XLA's; idle last."""
+    prefixes = ("decode kernel", "push exchange", "nccl", "XLA")
+    return next((i for i, prefix in enumerate(prefixes) if part.startswith(prefix)), 4)
+
+
+def step_breakdown(events: Events) -> list[dict[str, float]]:
+    """Where each microsecond of a call's steps goes: per step (a decode's start to the next
+    decode's start), the us each kernel category holds the GPU, every instant counted once
+    (part_rank picks among overlapping kernels) and "idle" where no kernel runs (launch gaps,
+    the host): the parts sum to the step."""
+    events = sorted(events)
+    decodes = [start for start, _, name in events if part_rank(category(name)) == 0]
+    steps = []
+    for first, last in itertools.pairwise(decodes):
+        inside = [
+            (max(start, first), min(end, last), category(name))
+            for start, end, name in events
+            if start < last and end > first
+        ]
+        cuts = sorted({first, last, *(t for start, end, _ in inside for t in (start, end))})
+        parts = collections.defaultdict(float)
+        for a, b in itertools.pairwise(cuts):
+            running = [part for start, end, part in inside if start <= a and end >= b]
+            parts[min(running, key=part_rank) if running else IDLE] += (b - a) / 1e3
+        steps.append(dict(parts))
+    return steps
+
+
 def profile(call, calls: int, keep: str | None = None) -> dict[str, list[Events]]:
     """Per GPU plane, the kernels of each call (split at the host's idle gaps). ``keep``: copy
     the trace (xplane.pb, host planes included) to this path."""
@@ -250,6 +284,19 @@ def report(
         print(f"    kernels {sum(by_kernel.values()):.1f} us/step:")
         for kernel, us in sorted(by_kernel.items(), key=lambda item: -item[1]):
             print(f"    {us:8.2f} us  {kernel}")
+        steps_parts = [parts for c in calls for parts in step_breakdown(c)]
+        names = sorted({name for parts in steps_parts for name in parts}, key=part_rank)
+        breakdown = {
+            name: statistics.median(parts.get(name, 0.0) for parts in steps_parts) for name in names
+        }
+        if steps_parts:
+            step = statistics.median(sum(parts.values()) for parts in steps_parts)
+            print(
+                f"    a step, decode start to the next decode's start: {step:.2f} us (median "
+                f"of {len(steps_parts)}; each instant counted once; medians per part):"
+            )
+            for name, us in breakdown.items():
+                print(f"    {us:8.2f} us  {name}")
         if top:
             print(f"    the {top} largest kernels by name:")
             for kernel, us in sorted(by_name.items(), key=lambda item: -item[1])[:top]:
@@ -262,6 +309,7 @@ def report(
                 "plane": plane,
                 "span_us_per_step": span,
                 "kernels": dict(by_kernel),
+                "step_breakdown_us": breakdown,
             }
         )
     return records

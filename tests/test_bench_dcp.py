@@ -41,3 +41,28 @@ def test_step_tokens_are_computed_from_the_previous_result(bench):
     assert (got % dcp == tokens % dcp).all() and len(set(got[0])) == got.shape[1]
     failed = bench.step_tokens(jnp.asarray(tokens), t, jnp.array([np.nan]), dcp)
     np.testing.assert_array_equal(np.asarray(failed), -1)
+
+
+def test_step_breakdown_counts_every_instant_of_a_step_once(bench):
+    """Two steps (ns): the decode, the merge beside it (PDL) and past its end, a gap, an XLA
+    fusion, a gap, the next decode; NCCL beside the decode counts as the decode."""
+    decode, merge = DECODES[1], MERGE
+    events = [
+        (0, 8000, decode),
+        (1000, 10000, merge),
+        (2000, 3000, "ncclDevKernel_AllGather_RING_LL"),
+        (11000, 12000, "loop_convert_fusion"),
+        (13000, 20000, decode),
+        (14000, 21000, merge),
+        (21500, 22000, "loop_convert_fusion"),
+        (23000, 30000, decode),
+    ]
+    first, second = bench.step_breakdown(events)
+    assert first == {
+        bench.category(decode): 8.0,
+        bench.category(merge): 2.0,
+        "XLA fusions and copies": 1.0,
+        bench.IDLE: 2.0,
+    }
+    assert sum(second.values()) == 10.0 and second[bench.IDLE] == 1.5
+    assert bench.step_breakdown(events[:1]) == []
