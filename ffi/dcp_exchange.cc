@@ -62,6 +62,7 @@ constexpr uint32_t kTimeout = 1;
 constexpr uint32_t kParity = 2;
 constexpr uint32_t kRank = 3;
 constexpr uint32_t kQueryTimeout = 4;
+constexpr uint32_t kStepBehind = 5;  // the merge's (kernel/exchange/kernels.py)
 
 struct Layout {
   uint64_t latent_offset;
@@ -285,6 +286,11 @@ const char* ErrorText(uint32_t code) {
       return "ran with an axis rank that disagrees with dcp_setup's device order";
     case kQueryTimeout:
       return "timed out waiting for the query heads of a rank";
+    case kStepBehind:
+      return "was given a step that does not advance past the last exchange's by 1 to 2^30 - 1 "
+             "(int32, wrapping): its mailbox slot may still hold an earlier exchange's rows of "
+             "that step (e.g. 4, 5, 4 or a restarted counter); keep one counter that advances at "
+             "every exchange";
     default:
       return "failed";
   }

@@ -166,7 +166,8 @@ def _step_scalar(step) -> jax.Array:
     if step is None:
         raise ValueError(
             "dcp_decode(exchange='push') needs step=, the decode step counter (an int32 "
-            "scalar, traced or not) whose parity picks the mailbox slot"
+            "scalar, traced or not, advancing by one at every exchange) whose parity picks the "
+            "mailbox slot"
         )
     if not jnp.issubdtype(jnp.result_type(step), jnp.integer) or jnp.ndim(step) != 0:
         raise TypeError(f"step must be an integer scalar, got {getattr(step, 'shape', step)!r}")
@@ -257,9 +258,11 @@ def dcp_decode(
         the same results. Its kernel takes global tokens and compacts them itself: here
         rows and valid are handed over as such tokens (one elementwise kernel);
         ``dcp_decode_tokens`` takes the tokens straight and runs no ``local_rows``.
-      step: int32 scalar (traced or not), required with "push": consecutive push exchanges
-        must alternate its parity (a decode loop's counter; ``step * layers + layer`` with
-        several exchanges per step). Unused by "collectives".
+      step: int32 scalar (traced or not), required with "push": each push exchange must
+        advance it past the previous one's by an odd amount below 2^30 (int32, wrapping; a
+        decode loop's counter, ``step * layers + layer`` with several exchanges per step;
+        never restarted without ``dcp_setup``): otherwise NaN rows and a recorded error.
+        Unused by "collectives".
       valid_hint: as for ``jax_sparse_mla.decode``, of this rank's valid keys per row. None
         (default): ceil(K / D), what a rank holds of a full row under the interleaved layout
         (``local_rows``), so the kernel config suits the keys a rank really has. Results never

@@ -13,17 +13,21 @@ allocates, zeroes and peer-maps them eagerly, once, before the first call; nothi
 while a program runs.
 
 The caller's ``step`` (a traced int32) picks the mailbox slot ``step & 1`` and the flag value
-``(step & 0x7fffffff) + 1``. Consecutive push exchanges on a mesh must alternate parity (a
-decode loop's counter; with several exchanges per decode step, e.g. one per layer, use
-``step * num_layers + layer``); the decode refuses a repeated parity (it pushes nothing), and
-the owners then time out with NaN rows and a recorded error rather than read a slot still
-being merged.
+``(step & 0x7fffffff) + 1``, which stays in the slot after use. So each push exchange on a mesh
+must advance the step past the previous one's by an odd amount below 2^30 (int32, wrapping: a
+decode loop's counter; with several exchanges per decode step, e.g. one per layer, ``step *
+num_layers + layer``); never restart it (call ``dcp_setup`` to start again from any step). The
+decode refuses a repeated parity (it pushes nothing: the owners then time out with NaN rows
+and a recorded error rather than read a slot still being merged); the merge refuses at once a
+step that does not advance by 1 to 2^30 - 1 (e.g. 4, 5, 4 or a restarted counter, which would
+find its slot's flags already set by the earlier exchange of that step and merge its rows).
 
 Failures (a rank whose query heads or partials never arrive within the timeout, a repeated
-parity, a rank that disagrees with ``dcp_setup``'s device order) give NaN rows for the affected
-rows and an error record per device (a decode that misses a rank's query heads pushes nothing,
-so the owners' merges time out too): the next exchange on that device raises it,
-``dcp_check()`` raises it on demand, and ``dcp_setup`` again resets the exchange.
+parity, a step that does not advance, a rank that disagrees with ``dcp_setup``'s device order)
+give NaN rows for the affected rows and an error record per device (a decode that misses a
+rank's query heads pushes nothing, so the owners' merges time out too): the next exchange on
+that device raises it, ``dcp_check()`` raises it on demand, and ``dcp_setup`` again resets the
+exchange.
 """
 
 from __future__ import annotations
@@ -194,7 +198,8 @@ def setup_group(ordinals: Sequence[int], capacity_bytes: int, timeout_s: float) 
 
 def dcp_check() -> None:
     """Raises RuntimeError if a push exchange on any set-up device has failed (timeout,
-    repeated step parity, rank mismatch): those rows came back NaN. Call it after the results
+    repeated step parity, a step that does not advance, rank mismatch): those rows came back
+    NaN. Call it after the results
     are ready (``block_until_ready``); ``dcp_setup`` resets the error records."""
     if not _ready_ordinals:
         return

@@ -37,6 +37,8 @@ def test_layout_mirrors_the_ffi():
     assert _ffi_constant("kQueryRow") == config.QUERY_ROW
     assert _ffi_constant("kTimeout") == config.TIMEOUT_PARTIALS
     assert _ffi_constant("kQueryTimeout") == config.TIMEOUT_QUERIES
+    assert _ffi_constant("kStepBehind") == config.STEP_BEHIND
+    assert config.MAX_ADVANCE == 1 << 30 and "by 1 to 2^30 - 1" in FFI.read_text()
     # rank, has_last, last_step, claimed: consecutive words before the timeout
     words = (config.RANK_OFFSET, config.HAS_LAST_OFFSET, config.LAST_STEP_OFFSET)
     assert (*words, config.CLAIMED_OFFSET) == tuple(range(128, 144, 4))

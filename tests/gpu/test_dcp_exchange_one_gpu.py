@@ -8,10 +8,10 @@ the D ranks' decodes (each pushing its query heads to the others and waiting for
 pushing its partials to the owners) and merges run at once on D streams, and every rank's
 merged rows must equal the plain decodes merged in numpy, for one step and over 10,000
 steps with the ranks running apart. Both also with a rank that never arrives (the timeout:
-NaN rows and the error record). So the kernels, their flag protocol
-(slot by step parity, flag = (step & 0x7fffffff) + 1) and their timeouts are tested without
-the two-GPU machine that test_dcp_push_gpu.py needs (the D ranks' grids must fit the one GPU
-at once: small B).
+NaN rows and the error record). So the kernels, their flag protocol (slot by step parity,
+flag = (step & 0x7fffffff) + 1), their timeouts and the merge's refusal of a step that does
+not advance are tested without the two-GPU machine that test_dcp_push_gpu.py needs (the D
+ranks' grids must fit the one GPU at once: small B).
 
 The kernels are the CuTe DSL cubins the FFI loads (``kernel/exchange``, and the decodes' part
 in ``kernel/entry.py``). Layouts as in ffi/dcp_exchange.cc (MakeLayout) and
@@ -43,7 +43,9 @@ from jax_sparse_mla.kernel.exchange.config import (
     HAS_LAST_OFFSET,
     LAST_STEP_OFFSET,
     LATENT,
+    MAX_ADVANCE,
     QUERY_ROW,
+    STEP_BEHIND,
     THREADS,
     ExchangeKernel,
 )
@@ -150,16 +152,19 @@ def reference_merge(latents, lses):
 
 
 def run_merge(device, *, dcp, rank, batch, heads, tile, split, step, latents, lses, flagged,
-              timeout_ns=2_000_000_000):  # fmt: skip
+              timeout_ns=2_000_000_000, last_step=None):  # fmt: skip
     """Rank ``rank``'s mailbox holds every source's partials for ``step``, the flags of the
-    (source, row) pairs in ``flagged`` set (the others hold an older step's); runs its merge
-    and returns (rows as f32, lse, row bits, the error record, the header's words)."""
+    (source, row) pairs in ``flagged`` set (the others hold an older step's), its header the
+    ``last_step`` merged (None: none since the setup); runs its merge and returns (rows as
+    f32, lse, row bits, the error record, the header's words)."""
     flags_per_row = -(-dcp * heads // tile) * split  # the decode's CTAs per row
     places = layout(dcp, batch, heads, flags_per_row)
     regions, headers, errors = mailboxes(device, dcp, places, timeout_ns)
+    if last_step is not None:  # has_last, last_step
+        device.upload(headers[rank] + HAS_LAST_OFFSET, np.array([1, last_step % 2**32], np.uint32))
     slot, flag = step & 1, (step & 0x7FFFFFFF) + 1
     mine = regions[rank]
-    flags = np.full((2, dcp, batch, flags_per_row), flag - 2, np.uint32)
+    flags = np.full((2, dcp, batch, flags_per_row), (flag - 2) % 2**32, np.uint32)
     for source, b in flagged:
         flags[slot, source, b] = flag
     device.upload(mine, flags)
@@ -240,6 +245,39 @@ def test_merge_times_out_to_nan_rows(device):
     assert record.tolist() == [1, step, 0, 0]
     assert words[CLAIMED_OFFSET // 4] == 1
     assert words[HAS_LAST_OFFSET // 4] == 0
+
+
+@pytest.mark.parametrize(
+    "last, step, refused",
+    [
+        (5, 5, True),
+        (6, 5, True),
+        (-(2**31), 2**31 - 1, True),  # int32: -1
+        (5, 5 + MAX_ADVANCE, True),
+        (5, 5 + MAX_ADVANCE - 1, False),
+        (2**31 - 1, -(2**31), False),  # int32: +1
+    ],
+)
+def test_merge_refuses_a_step_that_does_not_advance(device, last, step, refused):
+    """The header's last merged step ``last``; every flag of the step's slot holds its value
+    (as an earlier exchange of the same step left them). A step that does not advance past
+    ``last`` by 1 to MAX_ADVANCE - 1 (int32, wrapping) is refused before any poll: NaN rows
+    and LSEs, the record (STEP_BEHIND, step, 0, 0), ``last`` kept. Within the bound the rows
+    merge and the step is recorded."""
+    dcp, rank, batch, heads = 2, 0, 3, 16
+    latents, lses = partials(np.random.default_rng(5), dcp, batch, heads)
+    flagged = [(s, b) for s in range(dcp) for b in range(batch)]
+    rows, lse, _, record, words = run_merge(
+        device, dcp=dcp, rank=rank, batch=batch, heads=heads, tile=16, split=2, step=step,
+        latents=latents, lses=lses, flagged=flagged, last_step=last,
+    )  # fmt: skip
+    if refused:
+        assert np.isnan(rows).all() and np.isnan(lse).all()
+        assert record.tolist() == [STEP_BEHIND, step % 2**32, 0, 0]
+        assert words[LAST_STEP_OFFSET // 4] == last % 2**32
+    else:
+        assert np.isfinite(rows).all() and record[0] == 0
+        assert words[LAST_STEP_OFFSET // 4] == step % 2**32
 
 
 # ---- the whole push step: pushing decodes (query heads, then partials), merges ------------

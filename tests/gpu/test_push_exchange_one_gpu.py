@@ -107,9 +107,10 @@ def assert_same(got, want, what):
 
 @pytest.mark.parametrize("config", ALL_CONFIGS, ids=lambda c: c.slug)
 def test_loopback_equals_the_plain_decode(config):
-    """Alternating steps (negative and wrapping ones too) through the jitted exchange: each
-    step's merged rows are the plain decode's, bit for bit; no error recorded."""
-    steps = (6, 7, 2**31 - 2, 2**31 - 1, -(2**31))  # int32 wraps around: the parity alternates
+    """Consecutive steps through the jitted exchange, across int32's wrap and the flag value's
+    (2^31 - 1 flags 2^31, -2^31 flags 1): each step's merged rows are the plain decode's, bit
+    for bit; no error recorded."""
+    steps = (2**31 - 3, 2**31 - 2, 2**31 - 1, -(2**31), -(2**31) + 1)
     q, kv, rows, valid = inputs(1, len(steps), 3, 20, 150)  # 20 heads: the decode pads to 32
     step_fn = jax.jit(functools.partial(pushed, config=config))
     plain_fn = jax.jit(functools.partial(plain, config=config))
@@ -183,28 +184,32 @@ def test_loopback_in_a_scan(unroll):
     jax_sparse_mla.dcp_check()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="known gap (session 45): the merge passes a slot's stale flags; the fix on branch "
-    "wip/stale-step faulted natively on the H200",
-)
-@pytest.mark.parametrize("steps", [(4, 5, 4), (4, 4)])
-def test_a_step_its_slot_last_merged_is_refused(gpu, steps):
-    """Steps 4, 5, 4 (the parity alternates, but slot 0's flags still hold the first 4's
-    value) and 4, 4: the merge passes those flags at once on the first 4's rows. It should
-    refuse (NaN rows, the error recorded); today the last call returns the first call's rows
-    bit for bit, with no error for 4, 5, 4 (README: Faults). At a shape whose decode outlasts
-    the merge's start (at 5 x 48 x 256 the stale rows were not seen)."""
-    setup_loopback(gpu, timeout_s=5.0)
+@pytest.mark.parametrize("steps", [(4, 5, 4), (4, 4), (6, 7, 8, 9, 0), (0, 2**30 + 1)])
+def test_a_step_that_does_not_advance_is_refused(gpu, steps):
+    """Steps 4, 5, 4 (slot 0's flags still hold the first 4's value), 4, 4, a restarted
+    counter (6 .. 9, then 0: slot 0 last held 1 at step 0) and a jump of 2^30 (past the bound
+    that keeps a flag value from coming back within two exchanges): before session 46 the
+    first three returned an earlier call's rows bit for bit (4, 5, 4 with no error). Now the
+    merge refuses at once: NaN rows (the timeout is 20 s: they do not come from a timeout),
+    dcp_check names the step (or, for 4, 4, the decode's parity refusal, whichever is recorded
+    first); dcp_setup resets it. At a shape whose decode outlasts the merge's start."""
+    setup_loopback(gpu, timeout_s=20.0)
     q, kv, rows, valid = inputs(5, len(steps), 5, 128, 2048, n_rows=20000)
     step_fn = jax.jit(functools.partial(pushed, config=None))
     for i, step in enumerate(steps[:-1]):
         jax.block_until_ready(step_fn(q[i], kv, rows, valid, jnp.int32(step)))
+    jax_sparse_mla.dcp_check()
     last = len(steps) - 1
     latent, lse = jax.block_until_ready(step_fn(q[last], kv, rows, valid, jnp.int32(steps[-1])))
     assert np.isnan(np.asarray(latent.astype(jnp.float32))).all()
     assert np.isnan(np.asarray(lse)).all()
+    cause = r"does not advance past|previous exchange's parity" if steps == (4, 4) else "advance"
+    with pytest.raises(RuntimeError, match=cause):
+        jax_sparse_mla.dcp_check()
+    setup_loopback(gpu)
+    want = jax.jit(functools.partial(plain, config=None))(q[last], kv, rows, valid)
+    assert_same(step_fn(q[last], kv, rows, valid, jnp.int32(steps[-1])), want, "after the reset")
+    jax_sparse_mla.dcp_check()
 
 
 def test_repeated_parity_times_out_and_resets(gpu):

@@ -39,9 +39,14 @@ def slot_and_flag(step):
     return step & 1, (step & 0x7FFFFFFF) + 1
 
 
+# A step must advance past the last one merged by 1 to MAX_ADVANCE - 1 (int32, wrapping):
+# see kernels.py (why the bound) and dcp_exchange.cc's kStepBehind.
+MAX_ADVANCE = 1 << 30
+
 # Error codes (kept in sync with dcp_exchange.cc and the decode kernels).
 TIMEOUT_PARTIALS = 1
 TIMEOUT_QUERIES = 4
+STEP_BEHIND = 5  # the merge refused a step that does not advance past the last one
 
 MERGE_PARAMS = (
     "latent", "lse", "step", "header", "latent_offset", "lse_offset",

@@ -14,8 +14,13 @@ buffer the decode reads); CTA (0, 0) records the step (the next decode refuses a
 same parity). On a timeout: NaN rows and LSEs for the chunk and the error record (1, step, b,
 source).
 
-A flag holds (step & 0x7fffffff) + 1 (never 0, the zeroed value) and stays after use: the
-next use of a slot waits for a different value.
+A flag holds (step & 0x7fffffff) + 1 (never 0, the zeroed value) and stays after use, so a
+step must advance past the last one merged by 1 to MAX_ADVANCE - 1 (int32, wrapping): one
+that does not (4, 5, 4; 4, 4; a restarted counter) could find its slot's flags set by an
+earlier exchange of the same step and merge that exchange's rows. Each CTA refuses it before
+it polls: NaN rows and LSEs, the error record (STEP_BEHIND, step, b, 0), nothing recorded as
+merged. Within the bound a flag value comes back on its slot only after four or more
+exchanges (2^31 of them at +1 each), the slot's flags of their layouts rewritten in between.
 """
 
 from __future__ import annotations
@@ -33,8 +38,10 @@ from jax_sparse_mla.kernel.exchange.config import (
     HAS_LAST_OFFSET,
     LAST_STEP_OFFSET,
     LATENT,
+    MAX_ADVANCE,
     OWN_DATA_OFFSET,
     RANK_OFFSET,
+    STEP_BEHIND,
     THREADS,
     TIMEOUT_OFFSET,
     TIMEOUT_PARTIALS,
@@ -92,8 +99,9 @@ class DcpMerge:
         tid, _, _ = cute.arch.thread_idx()
         s, b, _ = cute.arch.block_idx()
         # Under PDL the decode before may still run: until griddepcontrol.wait this reads only
-        # the header (dcp_setup's), the step (its producer finished before the decode, which
-        # let this grid launch only after its own wait) and what the flags release.
+        # the header, the step (its producer finished before the decode, which let this grid
+        # launch only after its own wait) and what the flags release. That wait also waited
+        # for the last merge: the header's last step is that merge's.
         cute.arch.griddepcontrol_launch_dependents()
         header = mHeader.toint()
         rank = ptx.load_global_i32(header + RANK_OFFSET)
@@ -101,6 +109,9 @@ class DcpMerge:
         timeout = xptx.load_global_u64(header + TIMEOUT_OFFSET)
         step = ptx.load_global_i32(mStep.toint())
         slot, flag = slot_and_flag(step)
+        has_last = ptx.load_global_i32(header + HAS_LAST_OFFSET)
+        advance = xptx.wrapping_difference(step, ptx.load_global_i32(header + LAST_STEP_OFFSET))
+        behind = ptx.where_i32((has_last != 0) & ((advance < 1) | (advance >= MAX_ADVANCE)), 1, 0)
         h0 = s * CHUNK_HEADS
         h_end = h0 + min(heads - h0, CHUNK_HEADS)
         # Thread t < D * n waits for flag [slot, t / n, b, x0 + t % n]: the n decode CTAs (of
@@ -109,8 +120,8 @@ class DcpMerge:
         last = (rank * heads + h_end - 1) // tile
         n = (last - first + 1) * split
         source = tid // n
-        late = Int32(0)
-        if tid < dcp * n:
+        late = behind  # refused: NaN rows and the record, as after a timeout
+        if (tid < dcp * n) & (behind == 0):
             x = first * split + tid % n
             at = ((slot * dcp + source) * batch + b) * flags + x
             late = xptx.poll_flag_sys(data + Int64(at) * 4, flag, timeout)
@@ -139,8 +150,10 @@ class DcpMerge:
         # Not inside the branch above: there, every launch of this cubin failed on the H200
         # with CUDA_ERROR_ILLEGAL_ADDRESS though no thread reached it and compute-sanitizer
         # passed (session 41; not understood, like the decode's bar.red.or in session 40).
+        # One call for both failures: two call sites faulted every launch natively (session 45).
         if late != 0:
-            ptx.record_failure(header, TIMEOUT_PARTIALS, step, b, source)
+            code = ptx.where_i32(behind != 0, STEP_BEHIND, TIMEOUT_PARTIALS)
+            ptx.record_failure(header, code, step, b * (1 - behind), source * (1 - behind))
 
     @cute.jit
     def merge_head(self, mLatent, mLse, partials, b, h, unit, unroll: cutlass.Constexpr[int]):

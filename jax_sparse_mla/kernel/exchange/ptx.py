@@ -65,6 +65,13 @@ def poll_flag_sys(addr, value, timeout_ns, *, loc=None, ip=None) -> Int32:
 
 
 @dsl_user_op
+def wrapping_difference(a, b, *, loc=None, ip=None) -> Int32:
+    """a - b, wrapping (sub.s32: no overflow assumption to fold into a comparison)."""
+    operands = [_i32(a, loc, ip), _i32(b, loc, ip)]
+    return Int32(_asm(T.i32(), operands, "sub.s32 $0, $1, $2;", "=r,r,r", False, loc, ip))
+
+
+@dsl_user_op
 def sync_threads_or(flag, *, loc=None, ip=None) -> Int32:
     """A CTA barrier that returns 1 to every thread if any thread's ``flag`` is non-zero."""
     code = (
