@@ -57,7 +57,6 @@ from gpu_profile import Events, record, split_at_gaps
 import jax_sparse_mla
 from jax_sparse_mla import push_exchange
 from jax_sparse_mla.dcp import paged_as_tokens
-from jax_sparse_mla.ops import kernel_operands
 
 AXIS = "dcp"
 CALL_GAP_NS = 10_000_000  # an idle GPU this long separates two calls (the host sleeps 5x it)
@@ -124,14 +123,9 @@ def loopback_step(q, cache, tokens, t, link, *, block_size):
         tokens = paged_as_tokens(
             tokens, table[0], block_size=block_size, n_rows=n_rows, rank=0, dcp_size=1
         )
-    valid = jnp.zeros(tokens.shape[:1], jnp.int32)  # checked for its shape only
-    _, (_, kv, tokens, _, scales) = kernel_operands(
-        q, kv, tokens, valid, softmax_scale=192**-0.5, q_scale=1.0, kv_scale=1.0,
-        implementation="cute", kernel_config=None, valid_hint=None,
-    )  # fmt: skip
-    latent, lse = push_exchange.decode_and_exchange(
-        q, kv, tokens, scales, rank=jnp.int32(0), step=t, dcp_size=1, valid_hint=None,
-        kernel_config=None,
+    latent, lse = push_exchange.decode_and_exchange_tokens(
+        q, kv, tokens, rank=jnp.int32(0), step=t, dcp_size=1, softmax_scale=192**-0.5,
+        q_scale=1.0, kv_scale=1.0, valid_hint=None, kernel_config=None,
     )  # fmt: skip
     return latent, lse, lse[:1, 0]
 

@@ -39,7 +39,7 @@ from jax import lax
 from jax_sparse_mla import push_exchange, validation
 from jax_sparse_mla.kernel.config import KernelConfig
 from jax_sparse_mla.merge import merge_along
-from jax_sparse_mla.ops import decode, kernel_operands
+from jax_sparse_mla.ops import decode
 
 __all__ = ["FILL_ROW", "dcp_decode", "dcp_decode_tokens", "local_rows"]
 
@@ -418,20 +418,16 @@ def _sharded_decode(
         return collectives(q, kv, rank, None, *operands)
 
     def push(q, kv, rank, step, *operands):
-        tokens = to_tokens(rank, *operands)
-        # kv and the scales as the kernel takes them (the padded q is unused: the pushing
-        # decode takes this rank's own heads; no valid: the kernel counts the keys).
-        batch, _ = tokens.shape
-        valid = jnp.zeros((batch,), jnp.int32)
-        _, (_, kv, _, _, scales) = kernel_operands(q, kv, tokens, valid, **kwargs)
-        merged = push_exchange.decode_and_exchange(
+        merged = push_exchange.decode_and_exchange_tokens(
             q,
             kv,
-            tokens,
-            scales,
+            to_tokens(rank, *operands),
             rank=rank,
             step=step,
             dcp_size=dcp_size,
+            softmax_scale=softmax_scale,
+            q_scale=q_scale,
+            kv_scale=kv_scale,
             valid_hint=valid_hint,
             kernel_config=kernel_config,
         )

@@ -53,6 +53,7 @@ from jax_sparse_mla.kernel.compile import KernelUnavailableError
 from jax_sparse_mla.kernel.config import KernelConfig
 from jax_sparse_mla.kernel.exchange.compile import get_kernel as get_exchange_kernel
 from jax_sparse_mla.kernel.exchange.config import EXCHANGE_KERNELS
+from jax_sparse_mla.ops import kernel_operands
 from jax_sparse_mla.validation import HEAD_TILE, LATENT
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "dcp_check",
     "dcp_setup",
     "decode_and_exchange",
+    "decode_and_exchange_tokens",
 ]
 
 DEFAULT_CAPACITY_BYTES = 64 << 20
@@ -272,6 +274,37 @@ def _decode_push_lowering(ctx, *operands, dcp_size, heads_own, config, scratch_r
 
 
 mlir.register_lowering(decode_push_p, _decode_push_lowering, platform="cuda")
+
+
+def decode_and_exchange_tokens(
+    queries,
+    kv,
+    tokens,
+    *,
+    rank,
+    step,
+    dcp_size: int,
+    softmax_scale,
+    q_scale,
+    kv_scale,
+    valid_hint: int | None,
+    kernel_config: KernelConfig | None,
+):
+    """``decode_and_exchange`` from ``decode``'s arguments: queries [B, H_own, 576], kv (a
+    flat [N, 576] or paged [blocks, block_size, 576] cache) and the scales checked and made
+    the kernel's as ``decode`` does (``ops.kernel_operands``; errors name the argument);
+    tokens [B, K] int32 the global top-k tokens. dcp_decode's push path, and at D = 1 the
+    whole exchange on one GPU (the loopback of the tests and ``bench_dcp.py``)."""
+    valid = jnp.zeros(tokens.shape[:1], jnp.int32)  # checked for its shape: the kernel counts
+    _, (_, kv, _, _, scales) = kernel_operands(
+        queries, kv, tokens, valid, softmax_scale=softmax_scale, q_scale=q_scale,
+        kv_scale=kv_scale, implementation="cute", kernel_config=kernel_config,
+        valid_hint=valid_hint,
+    )  # fmt: skip
+    return decode_and_exchange(
+        queries, kv, tokens, scales, rank=rank, step=step, dcp_size=dcp_size,
+        valid_hint=valid_hint, kernel_config=kernel_config,
+    )  # fmt: skip
 
 
 def decode_and_exchange(

@@ -28,7 +28,6 @@ from jax import lax
 import jax_sparse_mla
 from jax_sparse_mla import dcp, push_exchange
 from jax_sparse_mla.kernel.config import ALL_CONFIGS, KernelConfig
-from jax_sparse_mla.ops import kernel_operands
 
 pytestmark = pytest.mark.gpu
 SOFTMAX_SCALE = 576**-0.5
@@ -53,18 +52,11 @@ def fresh_exchange(gpu):
     setup_loopback(gpu)
 
 
-def pushed_tokens(q, kv, operands, to_tokens, step, *, config):
-    """The whole push exchange of one rank of D = 1 on the global tokens
-    ``to_tokens(kv [N, W], *operands)`` (kv flattened, as the kernel takes it)."""
-    batch = operands[0].shape[0]
-    valid = jnp.zeros((batch,), jnp.int32)  # checked for its shape only
-    _, (_, kv, _, _, scales) = kernel_operands(
-        q, kv, operands[0], valid, softmax_scale=SOFTMAX_SCALE, q_scale=1.0, kv_scale=1.25,
-        implementation="cute", kernel_config=config, valid_hint=None,
-    )  # fmt: skip
-    return push_exchange.decode_and_exchange(
-        q, kv, to_tokens(kv, *operands), scales, rank=jnp.int32(0), step=step, dcp_size=1,
-        valid_hint=None, kernel_config=config,
+def pushed_tokens(q, kv, tokens, step, *, config):
+    """The whole push exchange of one rank of D = 1 on the global tokens [B, K]."""
+    return push_exchange.decode_and_exchange_tokens(
+        q, kv, tokens, rank=jnp.int32(0), step=step, dcp_size=1, softmax_scale=SOFTMAX_SCALE,
+        q_scale=1.0, kv_scale=1.25, valid_hint=None, kernel_config=config,
     )  # fmt: skip
 
 
@@ -72,11 +64,9 @@ def pushed(q, kv, rows, valid, step, *, config):
     """The push exchange as ``dcp_decode``'s push path runs it (rows and valid encoded as
     the global tokens the kernel compacts)."""
 
-    def to_tokens(kv, rows, valid):
-        keys = jnp.arange(rows.shape[1]) < valid[:, None]
-        return dcp._as_tokens(rows, keys, n_rows=kv.shape[0], rank=0, dcp_size=1)
-
-    return pushed_tokens(q, kv, (rows, valid), to_tokens, step, config=config)
+    keys = jnp.arange(rows.shape[1]) < valid[:, None]
+    tokens = dcp._as_tokens(rows, keys, n_rows=kv.shape[0], rank=0, dcp_size=1)
+    return pushed_tokens(q, kv, tokens, step, config=config)
 
 
 def plain(q, kv, rows, valid, *, config):
@@ -143,13 +133,12 @@ def test_loopback_paged_equals_local_rows_and_the_plain_decode(config, block_siz
         tokens, rank=0, dcp_size=1, block_table=table, block_size=block_size
     )
 
-    def to_tokens(kv, tokens, table):
-        return dcp.paged_as_tokens(
-            tokens, table, block_size=block_size, n_rows=kv.shape[0], rank=0, dcp_size=1
-        )
-
     def run(q, kv, tokens, table, step):
-        return pushed_tokens(q, kv, (tokens, table), to_tokens, step, config=config)
+        n_rows = kv.shape[0] * kv.shape[1]
+        tokens = dcp.paged_as_tokens(
+            tokens, table, block_size=block_size, n_rows=n_rows, rank=0, dcp_size=1
+        )
+        return pushed_tokens(q, kv, tokens, step, config=config)
 
     got = jax.jit(run)(q[0], kv, tokens, table, jnp.int32(3))
     want = jax.jit(functools.partial(plain, config=config))(q[0], kv.reshape(-1, 576), rows, valid)
@@ -184,7 +173,11 @@ def test_loopback_in_a_scan(unroll):
     jax_sparse_mla.dcp_check()
 
 
-@pytest.mark.parametrize("steps", [(4, 5, 4), (4, 4), (6, 7, 8, 9, 0), (0, 2**30 + 1)])
+@pytest.mark.parametrize(
+    "steps",
+    [(4, 5, 4), (4, 4), (6, 7, 8, 9, 0), (0, 2**30 + 1)],
+    ids=lambda s: "-".join(map(str, s)),
+)
 def test_a_step_that_does_not_advance_is_refused(gpu, steps):
     """Steps 4, 5, 4 (slot 0's flags still hold the first 4's value), 4, 4, a restarted
     counter (6 .. 9, then 0: slot 0 last held 1 at step 0) and a jump of 2^30 (past the bound
