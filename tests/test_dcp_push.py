@@ -278,10 +278,10 @@ def test_error_texts_come_from_the_library():
         library = push_exchange._load_library()
     except (FileNotFoundError, OSError) as err:
         pytest.skip(f"handler library not installed: {err}")
-    texts = [library.JaxSparseMlaDcpErrorText(code).decode() for code in (1, 2, 3, 4, 99)]
+    texts = [library.JaxSparseMlaDcpErrorText(code).decode() for code in (1, 2, 3, 4, 5, 99)]
     assert "partials" in texts[0] and "parity" in texts[1] and "rank" in texts[2]
-    assert "query heads" in texts[3] and texts[4] == "failed"
-    assert len(set(texts)) == 5
+    assert "query heads" in texts[3] and "does not advance" in texts[4] and texts[5] == "failed"
+    assert len(set(texts)) == 6
 
 
 @pytest.mark.parametrize("dcp", [1, 2, 8])
