@@ -166,8 +166,8 @@ def _step_scalar(step) -> jax.Array:
     if step is None:
         raise ValueError(
             "dcp_decode(exchange='push') needs step=, the decode step counter (an int32 "
-            "scalar, traced or not, advancing by one at every exchange) whose parity picks the "
-            "mailbox slot"
+            "scalar, traced or not, that advances at every exchange: its parity picks the "
+            "mailbox slot)"
         )
     if not jnp.issubdtype(jnp.result_type(step), jnp.integer) or jnp.ndim(step) != 0:
         raise TypeError(f"step must be an integer scalar, got {getattr(step, 'shape', step)!r}")

@@ -201,8 +201,8 @@ def setup_group(ordinals: Sequence[int], capacity_bytes: int, timeout_s: float) 
 def dcp_check() -> None:
     """Raises RuntimeError if a push exchange on any set-up device has failed (timeout,
     repeated step parity, a step that does not advance, rank mismatch): those rows came back
-    NaN. Call it after the results
-    are ready (``block_until_ready``); ``dcp_setup`` resets the error records."""
+    NaN. Call it after the results are ready (``block_until_ready``); ``dcp_setup`` resets
+    the error records."""
     if not _ready_ordinals:
         return
     library = _load_library()

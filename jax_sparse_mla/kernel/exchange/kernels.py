@@ -18,7 +18,7 @@ A flag holds (step & 0x7fffffff) + 1 (never 0, the zeroed value) and stays after
 step must advance past the last one merged by 1 to MAX_ADVANCE - 1 (int32, wrapping): one
 that does not (4, 5, 4; 4, 4; a restarted counter) could find its slot's flags set by an
 earlier exchange of the same step and merge that exchange's rows. Each CTA refuses it before
-it polls: NaN rows and LSEs, the error record (STEP_BEHIND, step, b, 0), nothing recorded as
+it polls: NaN rows and LSEs, the error record (STEP_BEHIND, step, 0, 0), nothing recorded as
 merged. Within the bound a flag value comes back on its slot only after four or more
 exchanges (2^31 of them at +1 each), the slot's flags of their layouts rewritten in between.
 """
