@@ -173,6 +173,26 @@ def test_loopback_in_a_scan(unroll):
     jax_sparse_mla.dcp_check()
 
 
+def test_exported_push_program_runs():
+    """jax.export of the push exchange, serialized and read back as a deployment loads it,
+    runs on the GPU through the FFI (the mailboxes are found through the device's header at
+    run time, nothing of them is baked into the program): alternating with the jitted
+    program on one step counter (they share the device's mailbox), every step's rows are the
+    plain decode's, bit for bit; no error recorded."""
+    q, kv, rows, valid = inputs(4, 4, 5, 96, 256)
+    jitted = jax.jit(functools.partial(pushed, config=None))
+    exported = jax.export.export(
+        jitted, platforms=("cuda",), disabled_checks=jax_sparse_mla.export_disabled_checks()
+    )(q[0], kv, rows, valid, jnp.int32(7))
+    restored = jax.export.deserialize(exported.serialize())
+    plain_fn = jax.jit(functools.partial(plain, config=None))
+    for i in range(4):  # steps 7 .. 10: jitted, restored, jitted, restored
+        program = restored.call if i % 2 else jitted
+        got = program(q[i], kv, rows, valid, jnp.int32(7 + i))
+        assert_same(got, plain_fn(q[i], kv, rows, valid), ("restored" if i % 2 else "jitted", i))
+    jax_sparse_mla.dcp_check()
+
+
 @pytest.mark.parametrize(
     "steps",
     [(4, 5, 4), (4, 4), (6, 7, 8, 9, 0), (0, 2**30 + 1)],
