@@ -86,6 +86,21 @@ def inputs(seed, steps, batch, heads, width, n_rows=700):
     return q, kv, rows, jnp.asarray(valid, jnp.int32)
 
 
+def tied_loop(q, kv, rows, valid, first_step, *, unroll=1):
+    """A lax.scan of push exchanges over q [steps, B, H, 576] from ``first_step`` on, each
+    step's query tied to the previous step's LSEs by value (as a model's is: XLA orders the
+    exchanges only through data). Returns the stacked (latent, lse)."""
+
+    def body(carry, q_step):
+        step, previous_lse = carry
+        q_step = jnp.where(jnp.isnan(previous_lse).any(), jnp.zeros_like(q_step), q_step)
+        latent, lse = pushed(q_step, kv, rows, valid, step, config=None)
+        return (step + 1, lse), (latent, lse)
+
+    start = (first_step, jnp.zeros(q.shape[1:3], jnp.float32))
+    return lax.scan(body, start, q, unroll=unroll)[1]
+
+
 def assert_same(got, want, what):
     (latent, lse), (want_latent, want_lse) = got, want
     assert np.array_equal(np.asarray(latent), np.asarray(want_latent)), what
@@ -155,21 +170,33 @@ def test_loopback_in_a_scan(unroll):
     tied by lax.optimization_barrier alone ran out of order and were refused)."""
     steps = 64
     q, kv, rows, valid = inputs(2, steps, 5, 96, 256)
-
-    def loop(q, kv, rows, valid):
-        def body(carry, q_step):
-            step, previous_lse = carry
-            q_step = jnp.where(jnp.isnan(previous_lse).any(), jnp.zeros_like(q_step), q_step)
-            latent, lse = pushed(q_step, kv, rows, valid, step, config=None)
-            return (step + 1, lse), (latent, lse)
-
-        start = (jnp.int32(11), jnp.zeros(q.shape[1:3], jnp.float32))
-        return lax.scan(body, start, q, unroll=unroll)[1]
-
-    latent, lse = jax.jit(loop)(q, kv, rows, valid)
+    loop = jax.jit(functools.partial(tied_loop, unroll=unroll))
+    latent, lse = loop(q, kv, rows, valid, jnp.int32(11))
     plain_fn = jax.jit(functools.partial(plain, config=None))
     for i in range(steps):
         assert_same((latent[i], lse[i]), plain_fn(q[i], kv, rows, valid), (unroll, i))
+    jax_sparse_mla.dcp_check()
+
+
+def test_compiled_program_survives_a_new_setup(gpu):
+    """A new setup with another capacity (its data region moves) while a compiled program,
+    its loop's body possibly captured in a CUDA graph, keeps its kernel parameters: they point
+    at the device's permanent header, which the setup rewrote. After the reset the steps may
+    start again anywhere; every step's rows stay the plain decode's, bit for bit."""
+    steps = 8
+    q, kv, rows, valid = inputs(5, steps, 5, 96, 256)
+    loop_fn = jax.jit(tied_loop)
+    plain_fn = jax.jit(functools.partial(plain, config=None))
+    want = [plain_fn(q[i], kv, rows, valid) for i in range(steps)]
+
+    def check(what):
+        latent, lse = loop_fn(q, kv, rows, valid, jnp.int32(3))
+        for i in range(steps):
+            assert_same((latent[i], lse[i]), want[i], (what, i))
+
+    check("first setup")
+    push_exchange.setup_group([gpu.local_hardware_id], 16 << 20, push_exchange.DEFAULT_TIMEOUT_S)
+    check("after a new setup")
     jax_sparse_mla.dcp_check()
 
 
