@@ -200,6 +200,21 @@ def test_compiled_program_survives_a_new_setup(gpu):
     jax_sparse_mla.dcp_check()
 
 
+def test_a_mailbox_too_small_names_capacity_bytes(gpu):
+    """A call whose slots do not fit the mailbox raises an error that names the setting
+    (before any kernel runs); a setup with room runs the same program."""
+    q, kv, rows, valid = inputs(6, 1, 5, 96, 256)
+    step_fn = jax.jit(functools.partial(pushed, config=None))
+    push_exchange.setup_group([gpu.local_hardware_id], 8192, push_exchange.DEFAULT_TIMEOUT_S)
+    with pytest.raises(Exception, match="raise capacity_bytes"):
+        jax.block_until_ready(step_fn(q[0], kv, rows, valid, jnp.int32(0)))
+    setup_loopback(gpu)
+    got = step_fn(q[0], kv, rows, valid, jnp.int32(0))
+    plain_rows = jax.jit(functools.partial(plain, config=None))(q[0], kv, rows, valid)
+    assert_same(got, plain_rows, "after a setup with room")
+    jax_sparse_mla.dcp_check()
+
+
 def test_exported_push_program_runs():
     """jax.export of the push exchange, serialized and read back as a deployment loads it,
     runs on the GPU through the FFI (the mailboxes are found through the device's header at
