@@ -4,8 +4,9 @@ itself.
 ``dcp_decode`` never runs this (at D = 1 it is a plain decode), but it is every part of the
 exchange that is not NVLink: ``dcp_setup``'s load of the merge's cubin into the device's
 context, the two custom calls' handlers with their parameters and mailbox layout, the slots
-by step parity, the flags, the refusal of a repeated parity, the timeout, the error records and
-the reset. The kernels' protocol between several ranks is tested on one GPU by
+by step parity, the flags, the refusal of a repeated parity, the timeout, the error records,
+the reset (also under a compiled program, with the data region moved), the capacity error and
+jax.export's round trip. The kernels' protocol between several ranks is tested on one GPU by
 test_dcp_exchange_one_gpu.py (D ranks on D streams), across GPUs by test_dcp_push_gpu.py.
 
 One rank's partial merged with itself has weight exp2(0) = 1, so the merged rows must be the
