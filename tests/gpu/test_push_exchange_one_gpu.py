@@ -179,6 +179,31 @@ def test_loopback_in_a_scan(unroll):
     jax_sparse_mla.dcp_check()
 
 
+def test_soak_10000_steps_across_the_wrap():
+    """10,000 exchanges in one jitted scan, the step counter crossing int32's wrap (and the
+    flag value's) midway, each step's query its own: the pushed rows equal the plain
+    decode's, computed in the same step, bit for bit (LSE within LSE_RTOL) in every step."""
+    steps, first_step = 10_000, 2**31 - 5_000
+    q, kv, rows, valid = inputs(7, 1, 5, 96, 256)
+
+    def loop(q, kv, rows, valid, first):
+        def body(counts, i):
+            scale = 1.0 + (i % 8).astype(jnp.float32) * 2.0**-3  # E4M3 steps are 2**-3
+            q_t = (q.astype(jnp.float32) * scale).astype(q.dtype)
+            latent, lse = pushed(q_t, kv, rows, valid, first + i, config=None)
+            want_latent, want_lse = plain(q_t, kv, rows, valid, config=None)
+            close = jnp.abs(lse - want_lse) <= LSE_RTOL * jnp.maximum(1.0, jnp.abs(want_lse))
+            bad_lse = ~(close | (lse == want_lse))  # -inf == -inf; NaN counts as bad
+            bad_latent = latent.astype(jnp.float32) != want_latent.astype(jnp.float32)
+            return counts + jnp.stack([bad_latent.sum(), bad_lse.sum()]), None
+
+        return lax.scan(body, jnp.zeros(2, jnp.int32), jnp.arange(steps, dtype=jnp.int32))[0]
+
+    counts = jax.jit(loop)(q[0], kv, rows, valid, jnp.int32(first_step))
+    assert np.asarray(counts).tolist() == [0, 0]
+    jax_sparse_mla.dcp_check()
+
+
 def test_compiled_program_survives_a_new_setup(gpu):
     """A new setup with another capacity (its data region moves) while a compiled program,
     its loop's body possibly captured in a CUDA graph, keeps its kernel parameters: they point
