@@ -5,9 +5,10 @@ itself.
 exchange that is not NVLink: ``dcp_setup``'s load of the merge's cubin into the device's
 context, the two custom calls' handlers with their parameters and mailbox layout, the slots
 by step parity, the flags, the refusal of a repeated parity, the timeout, the error records,
-the reset (also under a compiled program, with the data region moved), the capacity error and
-jax.export's round trip. The kernels' protocol between several ranks is tested on one GPU by
-test_dcp_exchange_one_gpu.py (D ranks on D streams), across GPUs by test_dcp_push_gpu.py.
+the reset (also under a compiled program, with the data region moved), the capacity error,
+jax.export's round trip and a 10,000-step scan across int32's wrap. The kernels' protocol
+between several ranks is tested on one GPU by test_dcp_exchange_one_gpu.py (D ranks on D
+streams), across GPUs by test_dcp_push_gpu.py.
 
 One rank's partial merged with itself has weight exp2(0) = 1, so the merged rows must be the
 plain decode's of the same config; the LSE goes through the merge's log2 domain and back
